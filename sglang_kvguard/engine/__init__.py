@@ -1,0 +1,1 @@
+"""The patch engine: manifests, fingerprints, guards and their installation."""

@@ -1,0 +1,5 @@
+"""One module per guard. ``GUARDS`` is the order in which they appear everywhere."""
+
+from .admission_drain import AdmissionDrainGuard
+
+GUARDS = [AdmissionDrainGuard]

@@ -1,0 +1,60 @@
+"""Prometheus metrics of kvguard (guard states now; guard events as guards land)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine.runtime import Report
+
+_metrics = {}
+
+
+def _gauge():
+    if "state" not in _metrics:
+        from prometheus_client import Gauge
+
+        kwargs = {}
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            kwargs["multiprocess_mode"] = "max"
+        _metrics["state"] = Gauge(
+            "kvguard_guard_state",
+            "1 for the state each kvguard guard is in (active, upstream, off, refused)",
+            ["guard", "state"],
+            **kwargs,
+        )
+    return _metrics["state"]
+
+
+def record_guard_states(report: "Report") -> None:
+    from .engine.guard import STATES
+
+    try:
+        g = _gauge()
+    except Exception:  # noqa: BLE001 - metrics must never stop the guards
+        return
+    for gr in report.guards:
+        for s in STATES:
+            g.labels(guard=gr.name, state=s).set(1 if gr.state == s else 0)
+
+
+def _counter():
+    if "events" not in _metrics:
+        from prometheus_client import Counter
+
+        _metrics["events"] = Counter(
+            "kvguard_events",
+            "kvguard guard events (drained rejections, mismatches, quarantined pages, ...)",
+            ["event", "where"],
+        )
+    return _metrics["events"]
+
+
+def count(event: str, n: int = 1, **labels) -> None:
+    """Count one guard event; never raises."""
+    try:
+        where = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        _counter().labels(event=event, where=where).inc(n)
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,42 @@
+import argparse
+
+import pytest
+
+from sglang_kvguard.config import FLAGS, Config, ConfigError, add_to_parser, split_argv
+
+
+def test_split_argv_takes_kvguard_flags_out():
+    env, rest = split_argv(["--model-path", "m", "--kvguard-on-unknown", "warn", "--kvguard-disable=admission_drain", "--port", "1"])
+    assert env == {"KVGUARD_ON_UNKNOWN": "warn", "KVGUARD_DISABLE": "admission_drain"}
+    assert rest == ["--model-path", "m", "--port", "1"]
+
+
+def test_split_argv_rejects_unknown_and_bad_values():
+    with pytest.raises(ConfigError, match="unknown kvguard flag '--kvguard-nope'"):
+        split_argv(["--kvguard-nope", "1"])
+    with pytest.raises(ConfigError, match="not one of refuse, warn"):
+        split_argv(["--kvguard-on-unknown=maybe"])
+    with pytest.raises(ConfigError, match="needs a value"):
+        split_argv(["--kvguard-on-unknown"])
+
+
+def test_env_is_read_and_validated():
+    c = Config.from_env({"KVGUARD_ON_UNKNOWN": "warn", "KVGUARD_DISABLE": " a, b ,"})
+    assert c.on_unknown == "warn"
+    assert c.disabled == ["a", "b"]
+    assert Config.from_env({}).on_unknown == "refuse"
+    with pytest.raises(ConfigError, match="KVGUARD_ON_UNKNOWN='x'"):
+        Config.from_env({"KVGUARD_ON_UNKNOWN": "x"})
+
+
+def test_parser_gets_every_flag_once():
+    p = argparse.ArgumentParser()
+    add_to_parser(p)
+    add_to_parser(p)  # idempotent
+    help_text = p.format_help()
+    for f in FLAGS:
+        assert len([a for a in p._actions if f.option in a.option_strings]) == 1
+        assert f.option in help_text
+        assert f.env in help_text
+    ns = p.parse_args(["--kvguard-on-unknown", "warn"])
+    assert ns.kvguard_on_unknown == "warn"
