@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 from typing import Callable, Dict
 
 from .engine.targets import target
@@ -28,16 +29,25 @@ ADD_CLI_ARGS = target(
     "sglang.srt.server_args:ServerArgs.add_cli_args",
     why="lists the --kvguard-* flags in SGLang's own parser",
 )
-RUN_SCHEDULER = target(
-    "activation.scheduler.run_scheduler_process",
-    "sglang.srt.managers.scheduler:run_scheduler_process",
-    why="scheduler process entry: banner with the PD role",
+FROM_CLI_ARGS = target(
+    "activation.server_args.from_cli_args",
+    "sglang.srt.server_args:ServerArgs.from_cli_args",
+    why="exports --kvguard-* flags given on SGLang's own command line as KVGUARD_* env",
 )
-RUN_DETOKENIZER = target(
-    "activation.detokenizer.run_detokenizer_process",
-    "sglang.srt.managers.detokenizer_manager:run_detokenizer_process",
-    why="detokenizer process entry: banner",
+SCHEDULER_INIT = target(
+    "activation.scheduler.Scheduler.__init__",
+    "sglang.srt.managers.scheduler:Scheduler.__init__",
+    why="scheduler process start: banner with the PD role",
 )
+DETOKENIZER_INIT = target(
+    "activation.detokenizer.DetokenizerManager.__init__",
+    "sglang.srt.managers.detokenizer_manager:DetokenizerManager.__init__",
+    why="detokenizer process start: banner",
+)
+
+# The process entry functions (run_scheduler_process, ...) are deliberately not
+# wrapped: SGLang passes them to multiprocessing by reference and keeps copies in
+# default arguments and class attributes; the constructors they call are enough.
 
 _banner_done = {"done": False}
 
@@ -49,11 +59,19 @@ def spawned_child() -> bool:
 
 
 def defer_banner() -> bool:
+    """In a spawned child, the banner waits for the scheduler/detokenizer to start."""
     return spawned_child()
 
 
+def _role(server_args) -> str:
+    mode = getattr(server_args, "disaggregation_mode", None)
+    mode = getattr(mode, "value", mode)
+    return str(mode) if mode is not None else ""
+
+
 def where(process: str = "", role: str = "") -> str:
-    process = process or ("child" if spawned_child() else "main")
+    if not process:
+        process = multiprocessing.current_process().name if spawned_child() else "main"
     role = role or os.environ.get("KVGUARD_ROLE", "")
     parts = [f"process={process}"]
     if role:
@@ -61,7 +79,7 @@ def where(process: str = "", role: str = "") -> str:
     return " ".join(parts)
 
 
-def _log_banner(process: str, server_args) -> None:
+def log_banner(process: str, server_args) -> None:
     if _banner_done["done"]:
         return
     from .engine.runtime import installed_report
@@ -69,36 +87,54 @@ def _log_banner(process: str, server_args) -> None:
     report = installed_report()
     if report is None:
         return
-    role = getattr(server_args, "disaggregation_mode", None) or "null"
     _banner_done["done"] = True
-    log.info(report.banner(where(process, str(role))))
+    log.info(report.banner(where(process, _role(server_args) or "null")))
 
 
-def _entry(process: str) -> Callable[[Callable], Callable]:
+def _constructor(process: str) -> Callable[[Callable], Callable]:
     def factory(original: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
+        def __init__(self, *args, **kwargs):
             server_args = args[0] if args else kwargs.get("server_args")
-            _log_banner(process, server_args)
-            return original(*args, **kwargs)
+            log_banner(process, server_args)
+            return original(self, *args, **kwargs)
 
-        return wrapper
+        return __init__
 
     return factory
 
 
 def _add_cli_args(original: Callable) -> Callable:
-    def wrapper(parser, *args, **kwargs):
+    def add_cli_args(parser, *args, **kwargs):
         result = original(parser, *args, **kwargs)
         from .config import add_to_parser
 
         add_to_parser(parser)
         return result
 
-    return wrapper
+    return add_cli_args
+
+
+def _from_cli_args(original: Callable) -> Callable:
+    def from_cli_args(cls, args, *rest, **kwargs):
+        from .config import FLAGS
+        from .engine.runtime import reinstall_if_config_changed
+
+        changed = False
+        for flag in FLAGS:
+            value = getattr(args, flag.dest, None)
+            if value is not None and os.environ.get(flag.env, flag.default) != str(value):
+                os.environ[flag.env] = str(value)  # inherited by every spawned process
+                changed = True
+        if changed:
+            reinstall_if_config_changed()
+        return original(cls, args, *rest, **kwargs)
+
+    return from_cli_args
 
 
 TARGETS: Dict[str, Callable[[Callable], Callable]] = {
     ADD_CLI_ARGS.key: _add_cli_args,
-    RUN_SCHEDULER.key: _entry("scheduler"),
-    RUN_DETOKENIZER.key: _entry("detokenizer"),
+    FROM_CLI_ARGS.key: _from_cli_args,
+    SCHEDULER_INIT.key: _constructor("scheduler"),
+    DETOKENIZER_INIT.key: _constructor("detokenizer"),
 }

@@ -29,6 +29,8 @@ from its version number):
   releases get ``mooncake`` plus ``MC_FORCE_TCP=1`` (what ``mooncake_tcp`` does).
 * ``--disaggregation-decode-retraction-backup cpu_tensor`` is passed only where the
   flag exists (0.5.18+).
+* Releases whose paged allocator always launches Triton kernels (<= 0.5.21) get
+  ``TRITON_INTERPRET=1`` (Triton's CPU interpreter; no SGLang code changes).
 * Where ``MooncakeKVSender.supports_host_tensor_indices`` exists (0.5.23), prefill
   pins host memory (CUDA only) unless a CPU shim turns it off; see
   ``tests/server/cpu_shim``. This module only reports the need
@@ -68,6 +70,8 @@ __all__ = [
 
 DEFAULT_LAUNCHER = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
+# Lines SGLang logs when a server is dead even though its launcher still runs.
+FATAL_LOG_PATTERNS = ("Scheduler hit an exception", "SIGQUIT received")
 
 
 class DeploymentError(RuntimeError):
@@ -172,6 +176,8 @@ if root:
     out["retraction_backup"] = "disaggregation_decode_retraction_backup" in args
     out["host_tensor_indices"] = "supports_host_tensor_indices" in read("srt/disaggregation/mooncake/conn.py")
     out["plugins_in_scheduler"] = "load_plugins()" in read("srt/managers/scheduler.py")
+    paged = read("srt/mem_cache/allocator/paged.py", "srt/mem_cache/allocator.py")
+    out["triton_only_allocator"] = bool(paged) and "use_triton_kernels" not in paged
 out["router"] = importlib.util.find_spec("sglang_router") is not None
 print(json.dumps(out))
 """
@@ -186,6 +192,7 @@ class ReleaseInfo:
     needs_host_tensor_shim: bool
     plugins_in_scheduler: bool
     has_router: bool
+    triton_only_allocator: bool = False
 
     @property
     def version_tuple(self):
@@ -218,6 +225,7 @@ def probe_release(python: str = sys.executable) -> ReleaseInfo:
         needs_host_tensor_shim=bool(d.get("host_tensor_indices")),
         plugins_in_scheduler=bool(d.get("plugins_in_scheduler")),
         has_router=bool(d.get("router")),
+        triton_only_allocator=bool(d.get("triton_only_allocator")),
     )
     _probe_cache[python] = info
     return info
@@ -306,7 +314,7 @@ def _teardown_all() -> None:
             pass
 
 
-@dataclass
+@dataclass(eq=False)  # identity hash: instances live in a WeakSet
 class PDDeployment:
     """A prefill server, a decode server and a PD router on 127.0.0.1.
 
@@ -387,7 +395,6 @@ class PDDeployment:
             "--disaggregation-transfer-backend", backend,
             "--disaggregation-bootstrap-port", str(self.ports["bootstrap"]),
             "--disable-overlap-schedule",
-            "--disable-cuda-graph",
             "--log-level", "info",
         ]
         if self.context_length is not None:
@@ -429,6 +436,11 @@ class PDDeployment:
             assert self.release is not None
             if not self.release.has_mooncake_tcp and not self.transfer_backend:
                 env["MC_FORCE_TCP"] = "1"
+            if self.release.triton_only_allocator:
+                # <= 0.5.21 launch Triton kernels for paged alloc_extend/alloc_decode
+                # even on CPU ("0 active drivers"); Triton's own interpreter runs
+                # them on CPU tensors. Nothing else Triton runs on these paths.
+                env.setdefault("TRITON_INTERPRET", "1")
             if self.extra_pythonpath:
                 pp = [str(Path(p).resolve()) for p in self.extra_pythonpath]
                 if env.get("PYTHONPATH"):
@@ -495,6 +507,13 @@ class PDDeployment:
             if not p.alive():
                 rc = p.popen.returncode if p.popen else None
                 raise DeploymentError(f"{role} exited with code {rc}\n" + self.describe())
+            # SGLang keeps its launcher alive for ~65 s after a scheduler crash
+            # (crash diagnostics); fail fast instead of waiting for that.
+            if role != "router":
+                text = self.log_tail(role, 400)
+                for pat in FATAL_LOG_PATTERNS:
+                    if pat in text:
+                        raise DeploymentError(f"{role} failed ({pat!r} in its log)\n" + self.describe())
 
     def _wait_healthy(self, roles: Sequence[str], t0: float) -> None:
         pending = set(roles)

@@ -17,6 +17,7 @@ import functools
 import importlib
 import sys
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -132,11 +133,12 @@ class Patcher:
                     n += 1
                 func, _ = _unwrap_raw(a.wrapped_raw)
                 orig, _ = _unwrap_raw(a.original_raw)
-                for mod, name in a.aliases:
-                    if getattr(mod, name, None) is func:
-                        setattr(mod, name, orig)
-                # Late by-value importers picked up the wrapper; put the original back.
-                _replace_aliases(func, orig, a.owner, self.alias_prefixes)
+                if isinstance(a.owner, types.ModuleType):
+                    for mod, name in a.aliases:
+                        if getattr(mod, name, None) is func:
+                            setattr(mod, name, orig)
+                    # Late by-value importers picked up the wrapper; put the original back.
+                    _replace_aliases(func, orig, a.owner, self.alias_prefixes)
             self.applied.clear()
             return n
 
@@ -155,7 +157,26 @@ def _replace_aliases(old: Callable, new: Callable, skip: Any, prefixes: Tuple[st
             if value is old:
                 setattr(mod, attr, new)
                 replaced.append((mod, attr))
+            elif getattr(value, "__module__", None) == name:
+                # Default arguments captured the original by value, e.g.
+                # ``def launch(..., run_scheduler_process_func=run_scheduler_process)``.
+                funcs = [value]
+                if isinstance(value, type):
+                    funcs = [getattr(v, "__func__", v) for v in vars(value).values()]
+                for f in funcs:
+                    _replace_in_defaults(f, old, new)
     return replaced
+
+
+def _replace_in_defaults(func: Any, old: Callable, new: Callable) -> None:
+    if not isinstance(func, types.FunctionType):
+        return
+    defaults = getattr(func, "__defaults__", None)
+    if defaults and any(d is old for d in defaults):
+        func.__defaults__ = tuple(new if d is old else d for d in defaults)
+    kwdefaults = getattr(func, "__kwdefaults__", None)
+    if kwdefaults and any(v is old for v in kwdefaults.values()):
+        func.__kwdefaults__ = {k: (new if v is old else v) for k, v in kwdefaults.items()}
 
 
 def guards_on(func: Any) -> Tuple[str, ...]:

@@ -32,8 +32,15 @@ from .patching import Patcher
 log = logging.getLogger("sglang_kvguard")
 
 
-class KVGuardRefused(RuntimeError):
-    """Raised when kvguard will not let SGLang start unguarded."""
+class KVGuardRefused(SystemExit):
+    """Raised when kvguard will not let SGLang start unguarded.
+
+    A ``SystemExit`` on purpose: SGLang's plugin loader catches ``Exception`` from
+    plugins and carries on; a refusal must stop the process instead.
+    """
+
+    def __str__(self) -> str:
+        return str(self.code)
 
 
 # --------------------------------------------------------------------------- sources
@@ -287,7 +294,7 @@ def install(config: Optional[Config] = None, *, banner: bool = True) -> Report:
         if report.refused:
             log.warning(report.refusal_message())
         patcher = Patcher()
-        _state.update(report=report, patcher=patcher, ctx=ctx)
+        _state.update(report=report, patcher=patcher, ctx=ctx, config=config)
         _state["generation"] = int(_state["generation"]) + 1  # type: ignore[arg-type]
         generation = _state["generation"]
         by_name = {g.name: g for g in guards}
@@ -332,6 +339,17 @@ def uninstall() -> int:
         _state.update(report=None, patcher=None, ctx=None)
         _state["generation"] = int(_state["generation"]) + 1  # type: ignore[arg-type]
         return n
+
+
+def reinstall_if_config_changed() -> Optional[Report]:
+    """Re-plan with the KVGUARD_* environment if it differs from the installed config."""
+    with _lock:
+        installed = _state.get("config")
+        new = Config.from_env()
+        if installed is not None and installed.values == new.values:  # type: ignore[union-attr]
+            return installed_report()
+        uninstall()
+        return install(new)
 
 
 def current_patcher() -> Optional[Patcher]:

@@ -69,3 +69,16 @@ def test_refuses_what_it_did_not_review(fake_pkg):
     src.other = src.entry  # an alias defined under another name
     with pytest.raises(PatchError, match="not the reviewed definition"):
         p.wrap("o", "g", "kvg_fixture_pkg", "other", _twice)
+
+
+def test_defaults_that_captured_the_original_are_replaced(fake_pkg):
+    src, user = fake_pkg
+    original = src.entry
+    exec("def launch(func=entry):\n    return func(1)\n", user.__dict__ | {"entry": original}, ns := {})
+    user.launch = ns["launch"]
+    user.launch.__module__ = "kvg_fixture_pkg.user"
+    p = Patcher(alias_prefixes=("kvg_fixture_pkg",))
+    p.wrap("k", "g", "kvg_fixture_pkg", "entry", _twice)
+    assert user.launch() == 4
+    p.revert_all()
+    assert user.launch() == 2

@@ -1,0 +1,89 @@
+"""`kvguard doctor` against the real installed SGLang, and its refusal paths."""
+
+import json
+import shutil
+from pathlib import Path
+
+from packaging.version import Version
+
+from conftest import RELEASE, run_py
+
+REPO = Path(__file__).resolve().parents[2]
+DOOR = "disagg.prefill.PrefillBootstrapQueue.add"
+
+
+def doctor(*args, **env):
+    return run_py(["-m", "sglang_kvguard.cli", "doctor", *args], **env)
+
+
+def test_doctor_json_reports_every_guard_for_this_release():
+    out = doctor("--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(out.stdout)
+    assert data["sglang"] == RELEASE and data["ok"] is True
+    states = {g["name"]: g["state"] for g in data["guards"]}
+    expected = "upstream" if Version(RELEASE) >= Version("0.5.21") else "active"
+    assert states["admission_drain"] == expected
+    assert set(data["activation"].values()) == {"active"}, data["activation"]
+    assert data["manifest"].endswith(f"sglang-{RELEASE}.json")
+
+
+def test_doctor_human_table():
+    out = doctor()
+    assert out.returncode == 0
+    assert f"SGLang {RELEASE}" in out.stdout
+    assert "admission_drain" in out.stdout
+
+
+def _tampered_manifests(tmp_path, key=DOOR):
+    d = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", d)
+    p = d / f"sglang-{RELEASE}.json"
+    data = json.loads(p.read_text())
+    data["targets"][key]["fingerprint"] = "0" * 24
+    p.write_text(json.dumps(data))
+    return d
+
+
+def test_tampered_fingerprint_refuses(tmp_path):
+    d = _tampered_manifests(tmp_path)
+    out = doctor("--json", KVGUARD_MANIFEST_DIR=str(d))
+    assert out.returncode == 1
+    data = json.loads(out.stdout)
+    assert data["ok"] is False
+    g = {g["name"]: g for g in data["guards"]}["admission_drain"]
+    assert g["state"] == "refused"
+    assert "sglang.srt.disaggregation.prefill:PrefillBootstrapQueue.add" in g["reason"]
+    assert RELEASE in g["reason"]
+    human = doctor(KVGUARD_MANIFEST_DIR=str(d))
+    assert human.returncode == 1
+    assert "--kvguard-on-unknown=warn" in human.stdout  # the way out is named
+
+
+def test_tampered_fingerprint_with_warn_installs_and_warns(tmp_path):
+    d = _tampered_manifests(tmp_path)
+    out = doctor("--json", "--kvguard-on-unknown=warn", KVGUARD_MANIFEST_DIR=str(d))
+    assert out.returncode == 0, out.stdout
+    data = json.loads(out.stdout)
+    assert any("PrefillBootstrapQueue.add" in w for w in data["warnings"])
+
+
+def test_unknown_release_refuses_then_warn_uses_nearest(tmp_path):
+    d = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", d)
+    (d / f"sglang-{RELEASE}.json").unlink()
+    out = doctor("--json", KVGUARD_MANIFEST_DIR=str(d))
+    assert out.returncode == 1
+    data = json.loads(out.stdout)
+    assert {g["state"] for g in data["guards"]} == {"refused"}
+    assert "not a release kvguard has reviewed" in data["guards"][0]["reason"]
+    out = doctor("--json", KVGUARD_MANIFEST_DIR=str(d), KVGUARD_ON_UNKNOWN="warn")
+    data = json.loads(out.stdout)
+    assert any("is not a known release" in w for w in data["warnings"]), data
+
+
+def test_disable_switches_a_guard_off():
+    out = doctor("--json", "--kvguard-disable", "admission_drain")
+    data = json.loads(out.stdout)
+    assert {g["name"]: g["state"] for g in data["guards"]}["admission_drain"] == "off"
+    assert out.returncode == 0
