@@ -84,5 +84,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 2
 
 
+def _install_in_spawned_child() -> None:
+    """`kvguard launch`'s children re-run the console script as ``__mp_main__``."""
+    main_mod = sys.modules.get("__mp_main__")
+    if main_mod is None or not getattr(main_mod, "__file__", None):
+        return
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        from .engine.runtime import install
+
+        install()
+
+
 if __name__ == "__main__":
     sys.exit(main())
+else:
+    _install_in_spawned_child()

@@ -54,3 +54,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "sglang_kvguard.launch_se
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__":
+    # A process SGLang spawned from this launcher: install before it runs its target.
+    from .engine.runtime import install as _install
+
+    _install()

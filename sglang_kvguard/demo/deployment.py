@@ -70,6 +70,8 @@ __all__ = [
 
 DEFAULT_LAUNCHER = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
+# SGLANG_PLUGINS value that matches no plugin (an empty value would load them all).
+NO_PLUGINS = "__kvguard_demo_no_plugins__"
 # Lines SGLang logs when a server is dead even though its launcher still runs.
 FATAL_LOG_PATTERNS = ("Scheduler hit an exception", "SIGQUIT received")
 
@@ -279,6 +281,7 @@ class _Proc:
     log_path: Path
     popen: Optional[subprocess.Popen] = None
     started: float = 0.0
+    spawned_after: Optional[float] = None
     healthy_after: Optional[float] = None
     peak_rss: int = 0
 
@@ -290,6 +293,9 @@ class _Proc:
         return self.popen is not None and self.popen.poll() is None
 
 
+_ANSI = __import__("re").compile(r"\x1b\[[0-9;]*m")  # the router logs in colour
+
+
 def _tail(path: Path, lines: int) -> str:
     try:
         with open(path, "rb") as f:
@@ -299,7 +305,11 @@ def _tail(path: Path, lines: int) -> str:
             data = f.read().decode("utf-8", "replace")
     except OSError as e:
         return f"<cannot read {path}: {e}>"
-    return "\n".join(data.splitlines()[-lines:])
+    return "\n".join(_ANSI.sub("", line) for line in data.splitlines()[-lines:])
+
+
+def _r(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 1)
 
 
 _live: "weakref.WeakSet[PDDeployment]" = weakref.WeakSet()
@@ -320,11 +330,14 @@ class PDDeployment:
 
     Pool sizes are per role (``--max-total-tokens``); ``context_length`` (if given)
     is passed to both servers as ``--context-length``. ``extra_args`` /
-    ``*_env`` are appended per role; ``env`` goes to all three processes.
+    ``*_env`` are appended per role; ``env`` goes to all three processes (applied
+    last, so it can override anything set here).
     ``extra_pythonpath`` is prepended to ``PYTHONPATH`` of the two servers (e.g. a
     directory holding a test-side SGLang plugin). ``sglang_plugins``, when not
     None, is written to ``SGLANG_PLUGINS`` (SGLang's allow-list of entry-point
-    plugins; an empty list loads none).
+    plugins, honoured from 0.5.15; an empty list loads none). Leaving it None
+    loads every installed plugin -- including kvguard's own entry point when
+    kvguard is installed, i.e. the servers are then guarded.
     """
 
     model_path: Union[str, os.PathLike]
@@ -361,6 +374,7 @@ class PDDeployment:
         self._sampler: Optional[threading.Thread] = None
         self._stop_sampling = threading.Event()
         self._stopped = False
+        self._t0: Optional[float] = None
 
     # -- urls
     @property
@@ -415,6 +429,9 @@ class PDDeployment:
             "--prometheus-host", self.host,
             "--prometheus-port", str(self.ports["router_metrics"]),
             "--log-level", "info",
+            # Workers are already healthy when the router starts; if its first
+            # registration attempt still misses, retry after 1 s, not the default 30 s.
+            "--worker-startup-check-interval", "1",
             *self.router_extra_args,
         ]
 
@@ -447,7 +464,9 @@ class PDDeployment:
                     pp.append(env["PYTHONPATH"])
                 env["PYTHONPATH"] = os.pathsep.join(pp)
             if self.sglang_plugins is not None:
-                env["SGLANG_PLUGINS"] = ",".join(self.sglang_plugins)
+                # SGLang treats an EMPTY allow-list as "no filter, load all"; a
+                # name no plugin has makes an empty list mean "load none".
+                env["SGLANG_PLUGINS"] = ",".join(self.sglang_plugins) or NO_PLUGINS
         env.update(self.env)
         env.update({"prefill": self.prefill_env, "decode": self.decode_env, "router": self.router_env}[role])
         return env
@@ -465,7 +484,7 @@ class PDDeployment:
         self.stop()
 
     def start(self) -> "PDDeployment":
-        t0 = time.monotonic()
+        t0 = self._t0 = time.monotonic()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.release = probe_release(self.python)
         if not self.release.has_router:
@@ -500,6 +519,8 @@ class PDDeployment:
                 preexec_fn=_set_pdeathsig,
             )
         proc.started = time.monotonic()
+        if self._t0 is not None:
+            proc.spawned_after = proc.started - self._t0
         self.procs[role] = proc
 
     def _check_alive(self) -> None:
@@ -617,8 +638,9 @@ class PDDeployment:
         return {
             "sglang": self.release.version if self.release else None,
             "launcher": self.launcher,
-            "startup_seconds": self.startup_seconds,
-            "healthy_after": {r: p.healthy_after for r, p in self.procs.items()},
+            "startup_seconds": _r(self.startup_seconds),
+            "spawned_after": {r: _r(p.spawned_after) for r, p in self.procs.items()},
+            "healthy_after": {r: _r(p.healthy_after) for r, p in self.procs.items()},
             "peak_rss_mib": {r: round(p.peak_rss / 2**20) for r, p in self.procs.items()},
             "peak_rss_total_mib": round(self.peak_rss_total / 2**20),
         }

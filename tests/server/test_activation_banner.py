@@ -1,0 +1,69 @@
+"""kvguard is active, and says so, in every SGLang process of a real PD deployment.
+
+Two ways in, each on real prefill + decode servers behind sglang-router:
+* ``python -m sglang_kvguard.launch_server`` (every release): the launcher installs
+  kvguard, and every process SGLang spawns re-imports it and installs too;
+* SGLang's own plugin loader (entry point group ``sglang.srt.plugins``, 0.5.11+),
+  with the plain ``python -m sglang.launch_server``.
+The banner of each scheduler process names its PD role and every guard's state.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+from packaging.version import Version
+
+from server_tier import CPU_SHIM_PLUGIN, VOCAB
+from sglang_kvguard.demo.tinymodel import prompt_of_tokens
+
+pytestmark = pytest.mark.server
+
+BANNER = re.compile(r"kvguard \d+\.\d+\.\d+ sglang=(\S+) pid=(\d+) process=(\S+)(?: role=(\S+))? guards: (.*)")
+
+
+def _banners(text):
+    return [m.groups() for m in BANNER.finditer(text)]
+
+
+def _expected_state(release):
+    return "upstream" if Version(release.version) >= Version("0.5.21") else "active"
+
+
+def _check(d, release):
+    found = {}
+    for role in ("prefill", "decode"):
+        banners = _banners(d.log_text(role))
+        sched = [b for b in banners if b[2] == "scheduler"]
+        assert sched, f"no scheduler banner in the {role} log:\n" + d.log_tail(role, 40)
+        for version, pid, _, brole, guards in sched:
+            assert version == release.version
+            assert brole == role, (role, brole)
+            assert f"admission_drain={_expected_state(release)}" in guards
+        found[role] = banners
+    r = d.generate(prompt_of_tokens(40, vocab=VOCAB, offset=3), max_new_tokens=4)
+    assert r.status == 200, r
+    assert r.json["meta_info"]["prompt_tokens"] == 40
+    return found
+
+
+def test_banner_in_every_scheduler_via_kvguard_launcher(pd_factory, release):
+    d = pd_factory("kvguard-launch", launcher="sglang_kvguard.launch_server")
+    found = _check(d, release)
+    for role, banners in found.items():
+        # the launcher process itself logs one banner too, and each process only one
+        pids = [b[1] for b in banners]
+        assert len(pids) == len(set(pids)), banners
+        assert any(b[2] == "main" for b in banners), (role, banners)
+
+
+def test_banner_in_every_scheduler_via_plugin_entry_point(pd_factory, release):
+    if Version(release.version) < Version("0.5.11"):
+        pytest.skip(f"SGLang {release.version} has no plugin loader (sglang.srt.plugins appears in 0.5.11)")
+    d = pd_factory(
+        "plugin",
+        launcher="sglang.launch_server",
+        sglang_plugins=[CPU_SHIM_PLUGIN, "kvguard"],
+        env={"KVGUARD_AUTO_INSTALL": "1"},
+    )
+    _check(d, release)
