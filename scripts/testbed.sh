@@ -54,7 +54,7 @@ ALLOW=(
   numpy orjson psutil pybase64 requests pillow starlette msgspec packaging pydantic
   pyzmq tqdm ipython aiohttp dill einops setproctitle prometheus-client
   transformers tokenizers sentencepiece compressed-tensors gguf apache-tvm-ffi
-  openai partial-json-parser uvicorn fastapi uvloop jsonschema python-multipart
+  openai openai-harmony partial-json-parser uvicorn fastapi uvloop jsonschema python-multipart
   xgrammar soundfile triton
   mooncake-transfer-engine-non-cuda sglang-router
   pytest hypothesis
@@ -81,7 +81,8 @@ fi
 
 mkdir -p "$ROOT"
 exec 9>"$ROOT/.sglang-$VERSION.lock"
-flock 9   # two concurrent builds of the same release would trample each other
+# two concurrent builds of the same release would trample each other
+if command -v flock >/dev/null; then flock 9; fi
 if [[ -f $STAMP_FILE && "$(cat "$STAMP_FILE")" == "$STAMP" && -x $VENV/bin/python ]]; then
   log "cached (built by a concurrent run): $VENV"
   echo "$VENV"
@@ -89,10 +90,16 @@ if [[ -f $STAMP_FILE && "$(cat "$STAMP_FILE")" == "$STAMP" && -x $VENV/bin/pytho
 fi
 
 T0=$SECONDS
+PYVER=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])') \
+  || die "cannot run $PYTHON"
+# SGLang 0.5.11+ ship cp311-only wheels, and the local CPU torch wheel is cp311.
+[[ $PYVER == 3.11 ]] || die "need Python 3.11 (got $PYVER from $PYTHON); set KVGUARD_TESTBED_PYTHON"
 log "building SGLang $VERSION test bed in $VENV (repo $REPO)"
 
 # --- system library for mooncake ----------------------------------------------------
-if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+# (no `grep -q`: with pipefail, an early grep exit would SIGPIPE ldconfig)
+if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true; } \
+     | grep 'libibverbs\.so\.1' >/dev/null; then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
     log "installing Debian libibverbs1 (needed by mooncake-transfer-engine)"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
@@ -130,10 +137,8 @@ CONSTRAINTS=$VENV/kvguard-constraints.txt
 # --- sglang itself -------------------------------------------------------------------------
 WHEELS=$ROOT/wheels
 mkdir -p "$WHEELS"
-log "sglang==$VERSION (--no-deps)"
 pip_ download -q --no-deps --only-binary=:all: "sglang==$VERSION" -d "$WHEELS"
 WHEEL=$(ls "$WHEELS"/sglang-"$VERSION"-*.whl | head -n1)
-pip_ install -q --no-deps "$WHEEL"
 
 # --- dependency list from the wheel METADATA + tables ---------------------------------
 REQS=$VENV/kvguard-requirements.txt
@@ -187,6 +192,10 @@ pip_ install -q -c "$CONSTRAINTS" -r "$REQS"
 log "sglang-kvguard (editable) from $REPO"
 pip_ install -q -c "$CONSTRAINTS" -e "$REPO"
 
+# Last, so that pip's dependency check does not list every CUDA package SGLang pins.
+log "sglang==$VERSION (--no-deps)"
+pip_ install -q --no-deps "$WHEEL"
+
 # --- stand-ins for native packages with no CPU build ----------------------------------
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$REPO/tests/stubs" > "$SITE/kvguard-testbed-stubs.pth"
@@ -203,10 +212,13 @@ KVGUARD_STUB_CALL_LOG=$CALL_LOG "$PY" - >&2 <<'PYEOF'
 import importlib
 for m in ("sglang.srt.managers.scheduler", "sglang.srt.disaggregation.prefill",
           "sglang.srt.disaggregation.decode", "sglang.srt.disaggregation.mooncake.conn",
-          "sglang.launch_server", "sglang_router", "mooncake.engine", "sglang_kvguard"):
+          "sglang.launch_server", "sglang_router", "mooncake.engine"):
     importlib.import_module(m)
-import sglang, torch
-print(f"[testbed] imports ok: sglang {sglang.__version__}, torch {torch.__version__}")
+import importlib.metadata as md, sglang, torch
+# The repo is only checked for being installed: importing it is the tests' business.
+kv = md.version("sglang-kvguard")
+print(f"[testbed] imports ok: sglang {sglang.__version__}, torch {torch.__version__}, "
+      f"sglang-kvguard {kv} (editable)")
 PYEOF
 if [[ -s $CALL_LOG ]]; then cat "$CALL_LOG" >&2; rm -f "$CALL_LOG"; die "a stand-in was called during import"; fi
 rm -f "$CALL_LOG"

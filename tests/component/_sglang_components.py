@@ -1,0 +1,797 @@
+"""Builders for REAL SGLang components on device="cpu" (component test tier).
+
+Runs only inside a test-bed venv made by ``scripts/testbed.sh VERSION``; works against
+whichever SGLang release is installed there. Everything returned here is SGLang's own
+class (pools, allocator, radix cache, metadata buffers, PD queues, ``Req``); the only
+test-side objects are
+
+* ``SchedulerStandIn`` -- a light object carrying just the attributes the PD queues
+  read from their ``scheduler`` (the real ``Scheduler`` needs a model worker);
+* ``install_torch_alloc_kernels`` -- for releases whose paged allocator always launches
+  Triton kernels (<= 0.5.21: ``alloc_extend_kernel[grid](...)`` /
+  ``alloc_decode_kernel[grid](...)``, which fail on CPU with "0 active drivers"), a
+  pure-torch replacement of exactly those two kernel launches. 0.5.22+ take SGLang's
+  own torch fallback on CPU and are left alone.
+
+Per-release differences are handled by feature detection (signatures, attributes)
+plus ``SGLANG_VERSION`` checks; constructor calls go through ``call_supported`` so a
+keyword a release does not accept is dropped, and a required one that we do not
+supply fails with a clear message.
+
+Transfer backend for queue tests: SGLang's own ``fake`` backend
+(``sglang.srt.disaggregation.fake``) with requests addressed to
+``FAKE_BOOTSTRAP_HOST`` -- the path SGLang's warm-up requests take. Both doors run
+their real admission code, the decode side pre-allocates real pages from the real
+paged allocator, and the fake receiver/sender complete the "transfer" at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import os
+import sys
+import tempfile
+import types
+from array import array
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+from packaging.version import Version
+
+SGLANG_VERSION = Version(importlib.metadata.version("sglang"))
+DEVICE = "cpu"
+
+
+def at_least(version: str) -> bool:
+    return SGLANG_VERSION >= Version(version)
+
+
+# --------------------------------------------------------------------------------
+# generic helpers
+# --------------------------------------------------------------------------------
+def call_supported(fn: Callable, /, **kwargs):
+    """Call ``fn`` with the keyword arguments its signature accepts.
+
+    Extra keywords (for other releases) are dropped; a required parameter without a
+    value raises a TypeError naming the release, so signature drift is loud.
+    """
+    sig = inspect.signature(fn)
+    params = sig.parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    accepted = {k: v for k, v in kwargs.items() if k in params}
+    missing = [
+        name
+        for name, p in params.items()
+        if name != "self"
+        and p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and name not in accepted
+    ]
+    if missing:
+        raise TypeError(
+            f"{getattr(fn, '__qualname__', fn)} in sglang {SGLANG_VERSION} needs "
+            f"{missing}; teach tests/component/_sglang_components.py about it"
+        )
+    return fn(**accepted)
+
+
+def _first_attr(obj, *names, default=None):
+    for n in names:
+        if hasattr(obj, n):
+            return getattr(obj, n)
+    return default
+
+
+# --------------------------------------------------------------------------------
+# memory pools and allocator
+# --------------------------------------------------------------------------------
+def make_req_to_token_pool(size: int = 8, max_context_len: int = 1024, *, decode_pre_alloc: Optional[int] = None):
+    """Real ``ReqToTokenPool`` (or ``DecodeReqToTokenPool`` when ``decode_pre_alloc``
+    is given, as a decode server builds it)."""
+    if decode_pre_alloc is not None:
+        from sglang.srt.disaggregation.decode import DecodeReqToTokenPool as cls
+
+        return call_supported(
+            cls,
+            size=size,
+            max_context_len=max_context_len,
+            device=DEVICE,
+            enable_memory_saver=False,
+            pre_alloc_size=decode_pre_alloc,
+        )
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    return call_supported(
+        ReqToTokenPool,
+        size=size,
+        max_context_len=max_context_len,
+        device=DEVICE,
+        enable_memory_saver=False,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelShape:
+    """KV geometry of a tiny Llama-like model (matches nothing on disk)."""
+
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    num_attention_heads: int = 4
+    head_dim: int = 16
+    hidden_size: int = 64
+    vocab_size: int = 256
+    dtype: torch.dtype = torch.bfloat16
+
+
+def make_kv_pool(size: int, page_size: int, shape: TinyModelShape = TinyModelShape()):
+    """Real ``MHATokenToKVPool`` holding ``size`` token slots on CPU."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return call_supported(
+        MHATokenToKVPool,
+        size=size,
+        page_size=page_size,
+        dtype=shape.dtype,
+        head_num=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        layer_num=shape.num_layers,
+        device=DEVICE,
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=shape.num_layers - 1,
+        enable_alt_stream=False,
+    )
+
+
+def make_paged_allocator(size: int, page_size: int, kv_pool, *, need_sort: bool = False):
+    """Real ``PagedTokenToKVPoolAllocator`` over ``kv_pool`` (``size`` tokens)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    return call_supported(
+        PagedTokenToKVPoolAllocator,
+        size=size,
+        page_size=page_size,
+        dtype=kv_pool.dtype if hasattr(kv_pool, "dtype") else torch.bfloat16,
+        device=DEVICE,
+        kvcache=kv_pool,
+        need_sort=need_sort,
+    )
+
+
+def make_radix_cache(req_to_token_pool, allocator, page_size: int, *, disable: bool = False):
+    """Real ``RadixCache`` over the given pools."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    sig = inspect.signature(RadixCache.__init__)
+    if "params" in sig.parameters:
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+        params = call_supported(
+            CacheInitParams,
+            disable=disable,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=allocator,
+            page_size=page_size,
+        )
+        return RadixCache(params)
+    return call_supported(
+        RadixCache,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        disable=disable,
+    )
+
+
+def free_pages(allocator) -> int:
+    """Free (incl. staged / released) pages according to the allocator itself."""
+    return allocator.available_size() // allocator.page_size
+
+
+# --------------------------------------------------------------------------------
+# test-side shim for the Triton kernel launches of old paged allocators
+# --------------------------------------------------------------------------------
+def allocator_needs_torch_kernels(allocator=None) -> bool:
+    """True when this release's paged allocator launches Triton kernels on CPU.
+
+    0.5.22+ pick ``alloc_*_naive`` (torch) when the platform has no Triton
+    (``allocator.use_triton_kernels`` is False); older releases have no such switch.
+    """
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    if allocator is not None and hasattr(allocator, "use_triton_kernels"):
+        return bool(allocator.use_triton_kernels)
+    src = inspect.getsource(PagedTokenToKVPoolAllocator)
+    return "use_triton_kernels" not in src
+
+
+def _torch_alloc_extend(pre_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+    """Pure-torch equivalent of SGLang's ``alloc_extend_kernel`` launch.
+
+    For each request i (in batch order) write its extend_len = seq_len - pre_len
+    slots into ``out_indices`` at the running offset: first the rest of its
+    current partial page (``last_loc + 1 ...``), then whole new pages, then a final
+    partial new page; new pages are taken from ``free_pages`` in order, each
+    request starting after the pages the earlier requests need.
+    """
+    page_size = int(page_size)
+    pre = pre_lens.tolist()
+    seq = seq_lens.tolist()
+    last = last_loc.tolist()
+    out_pos = 0
+    page_cursor = 0
+    for p, s, l in zip(pre, seq, last):
+        ext = s - p
+        vals: List[int] = []
+        # part 1: fill the partial page the prefix ends in
+        n1 = min(s, -(-p // page_size) * page_size) - p
+        vals.extend(range(l + 1, l + 1 + n1))
+        remaining = ext - n1
+        new_pages = -(-s // page_size) - (-(-p // page_size))
+        for k in range(new_pages):
+            page = int(free_pages[page_cursor + k])
+            take = min(page_size, remaining)
+            vals.extend(range(page * page_size, page * page_size + take))
+            remaining -= take
+        assert remaining == 0 and len(vals) == ext, (p, s, l, page_size)
+        out_indices[out_pos : out_pos + ext] = torch.tensor(vals, dtype=out_indices.dtype)
+        out_pos += ext
+        page_cursor += new_pages
+
+
+def _torch_alloc_decode(seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+    """Pure-torch equivalent of SGLang's ``alloc_decode_kernel`` launch: one new slot
+    per request; a request whose new token starts a page takes the next free page."""
+    page_size = int(page_size)
+    page_cursor = 0
+    for i, (s, l) in enumerate(zip(seq_lens.tolist(), last_loc.tolist())):
+        if (s - 1) % page_size == 0:  # pages(seq) - pages(seq - 1) == 1
+            out_indices[i] = int(free_pages[page_cursor]) * page_size
+            page_cursor += 1
+        else:
+            out_indices[i] = l + 1
+
+
+class _TorchKernelLaunch:
+    """Stands where a ``@triton.jit`` kernel object was: ``kernel[grid](*args)``."""
+
+    def __init__(self, name: str, impl: Callable, nargs: int):
+        self.name, self.impl, self.nargs = name, impl, nargs
+        self.calls = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if kwargs or len(args) != self.nargs:
+                raise TypeError(
+                    f"test shim for {self.name}: sglang {SGLANG_VERSION} launched it with "
+                    f"{len(args)} args / {sorted(kwargs)}; the shim knows the "
+                    f"{self.nargs}-argument form of 0.5.10-0.5.21"
+                )
+            self.calls += 1
+            return self.impl(*args)
+
+        return launch
+
+
+@contextlib.contextmanager
+def torch_alloc_kernels() -> Iterator[Optional[Dict[str, _TorchKernelLaunch]]]:
+    """Replace the two Triton launches of the paged allocator with torch code, for
+    releases that need it; yields the shim objects (or None when not needed)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    if not allocator_needs_torch_kernels():
+        yield None
+        return
+    mod = sys.modules[PagedTokenToKVPoolAllocator.__module__]
+    shims = {
+        "alloc_extend_kernel": _TorchKernelLaunch("alloc_extend_kernel", _torch_alloc_extend, 7),
+        "alloc_decode_kernel": _TorchKernelLaunch("alloc_decode_kernel", _torch_alloc_decode, 6),
+    }
+    saved = {}
+    for name, shim in shims.items():
+        if not hasattr(mod, name):
+            raise RuntimeError(f"{mod.__name__}.{name} not found in sglang {SGLANG_VERSION}")
+        saved[name] = getattr(mod, name)
+        setattr(mod, name, shim)
+    try:
+        yield shims
+    finally:
+        for name, orig in saved.items():
+            setattr(mod, name, orig)
+
+
+# --------------------------------------------------------------------------------
+# configuration context (server args, parallel ranks, a 1-rank gloo group)
+# --------------------------------------------------------------------------------
+_GLOO_GROUP = None
+
+
+def gloo_group():
+    """A real single-process gloo ProcessGroup (the PD queues all-reduce poll results
+    over it). Created once per process on a loopback TCP store."""
+    global _GLOO_GROUP
+    import torch.distributed as dist
+
+    if _GLOO_GROUP is None:
+        if not dist.is_initialized():
+            store = dist.HashStore()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        _GLOO_GROUP = dist.new_group(ranks=[0], backend="gloo")
+    return _GLOO_GROUP
+
+
+def _default_server_args_object():
+    """A real ``ServerArgs`` for releases without a published runtime context
+    (<= 0.5.17): the dataclass defaults, WITHOUT ``__post_init__`` (which would
+    resolve a model path, probe GPUs, ...). The PD queues only pass it on to the
+    KV manager; the fake backend ignores it."""
+    from sglang.srt.server_args import ServerArgs
+
+    sa = object.__new__(ServerArgs)
+    for f in dataclasses.fields(ServerArgs):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            value = f.default_factory()  # type: ignore[misc]
+        else:
+            value = None
+        object.__setattr__(sa, f.name, value)
+    return sa
+
+
+def has_runtime_context() -> bool:
+    """0.5.18+ read configuration through ``sglang.srt.runtime_context`` bags."""
+    try:
+        mod = importlib.import_module("sglang.srt.runtime_context")
+    except ImportError:
+        return False
+    return hasattr(mod.RuntimeContext, "override_server_args")
+
+
+@contextlib.contextmanager
+def sglang_config(**fields) -> Iterator[Any]:
+    """Publish a test configuration the way the release expects and yield the
+    ``ServerArgs`` object the scheduler would hold.
+
+    0.5.18+: SGLang's own test hook ``get_context().override_server_args(**fields)``
+    plus ``get_parallel().override(...)`` for a single rank (tp/pp/dp = 1).
+    Older: a default ``ServerArgs`` with ``fields`` set on it, installed with
+    ``set_global_server_args_for_scheduler`` when the release has it.
+    """
+    fields.setdefault("device", DEVICE)
+    if has_runtime_context():
+        import sglang.srt.runtime_context as rc
+        from sglang.srt.runtime_context import get_context, get_parallel
+
+        group = gloo_group()
+        fake_group = types.SimpleNamespace(cpu_group=group, device_group=group, world_size=1, rank_in_group=0, rank=0)
+        wanted = dict(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1,
+            attn_tp_rank=0, attn_tp_size=1, attn_tp_group=fake_group,
+            attn_dp_rank=0, attn_dp_size=1, attn_cp_rank=0, attn_cp_size=1,
+            attn_dcp_rank=0, attn_dcp_size=1, moe_ep_rank=0, moe_ep_size=1,
+            tp_group=fake_group, pp_group=fake_group,
+        )
+        if hasattr(rc, "_parallel_fields"):
+            known = set(rc._parallel_fields())
+        else:
+            known = set(getattr(rc, "_PARALLEL_FIELDS", ()))
+        par = {k: v for k, v in wanted.items() if k in known}
+        override = get_context().override_server_args(**fields)
+        server_args = override.install()
+        try:
+            with get_parallel().override(**par):
+                yield server_args
+        finally:
+            override.restore()
+        return
+
+    server_args = _default_server_args_object()
+    for k, v in fields.items():
+        object.__setattr__(server_args, k, v)
+    import sglang.srt.server_args as sa_mod
+
+    setter = getattr(sa_mod, "set_global_server_args_for_scheduler", None)
+    prev = getattr(sa_mod, "_global_server_args", None)
+    if setter is not None:
+        setter(server_args)
+    # Old releases read ranks from parallel_state's group-coordinator globals
+    # (e.g. decode's get_attention_tp_size()). Without initialising torch
+    # distributed model parallelism we put a one-rank coordinator stand-in there.
+    from sglang.srt.distributed import parallel_state as pstate
+
+    group = gloo_group()
+    coord = types.SimpleNamespace(
+        world_size=1, rank_in_group=0, rank=0, ranks=[0], local_rank=0,
+        cpu_group=group, device_group=group, is_first_rank=True, is_last_rank=True,
+    )
+    saved_groups = {}
+    for name in ("_TP", "_PP", "_ATTN_TP", "_ATTN_CP", "_MOE_TP", "_MOE_EP"):
+        if hasattr(pstate, name) and getattr(pstate, name) is None:
+            saved_groups[name] = None
+            setattr(pstate, name, coord)
+    try:
+        yield server_args
+    finally:
+        for name, value in saved_groups.items():
+            setattr(pstate, name, value)
+        if setter is not None:
+            sa_mod._global_server_args = prev
+
+
+# --------------------------------------------------------------------------------
+# requests
+# --------------------------------------------------------------------------------
+def fake_bootstrap_host() -> str:
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    return FAKE_BOOTSTRAP_HOST
+
+
+def _input_ids_container(ids):
+    """``array('q')`` where the release's ``Req`` declares it (0.5.1x+), else list."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    ann = inspect.signature(Req.__init__).parameters["origin_input_ids"].annotation
+    if "array" in str(ann):
+        return array("q", ids)
+    return list(ids)
+
+
+_ROOM = [1000]
+
+
+def make_req(
+    input_len: int = 40,
+    *,
+    rid: Optional[str] = None,
+    max_new_tokens: int = 8,
+    input_ids: Optional[List[int]] = None,
+    bootstrap_host: Optional[str] = None,
+    bootstrap_room: Optional[int] = None,
+    vocab_size: int = 256,
+    disagg_mode=None,
+):
+    """A real ``Req`` for this release, as ``Scheduler.handle_generate_request``
+    builds it (bootstrap fields set for PD; fake-backend host by default)."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    if input_ids is None:
+        input_ids = [(7 * i + 3) % (vocab_size - 1) + 1 for i in range(input_len)]
+    sp = call_supported(SamplingParams, max_new_tokens=max_new_tokens, temperature=0.0)
+    if hasattr(sp, "normalize"):
+        sp.normalize(None)
+    if bootstrap_room is None:
+        _ROOM[0] += 1
+        bootstrap_room = _ROOM[0]
+    rid = rid or f"kvguard-test-{bootstrap_room}"
+    req = call_supported(
+        Req,
+        rid=rid,
+        origin_input_text="",
+        origin_input_ids=_input_ids_container(input_ids),
+        sampling_params=sp,
+        eos_token_ids=set(),
+        bootstrap_host=bootstrap_host if bootstrap_host is not None else fake_bootstrap_host(),
+        bootstrap_port=8998,
+        bootstrap_room=bootstrap_room,
+        disagg_mode=disagg_mode,
+        vocab_size=vocab_size,
+    )
+    return req
+
+
+def req_pool_idx(req):
+    """``req.req_pool_idx`` (<= 0.5.18) or ``req.kv.req_pool_idx`` (0.5.19+)."""
+    kv = getattr(req, "kv", None)
+    if kv is not None and hasattr(kv, "req_pool_idx"):
+        return kv.req_pool_idx
+    return req.req_pool_idx
+
+
+# --------------------------------------------------------------------------------
+# scheduler stand-in and PD queues
+# --------------------------------------------------------------------------------
+class StreamRecorder:
+    def __init__(self):
+        self.calls: List[tuple] = []
+
+    def stream_output(self, reqs, return_logprob=None, *args, **kwargs):
+        self.calls.append((list(reqs), return_logprob))
+
+
+class SchedulerStandIn:
+    """Only the attributes ``PrefillBootstrapQueue`` / ``DecodePreallocQueue`` /
+    ``DecodeTransferQueue`` read from their scheduler. Reading anything else raises
+    AttributeError naming the attribute (and it is listed in ``missing``)."""
+
+    def __init__(self, **attrs):
+        object.__setattr__(self, "missing", [])
+        for k, v in attrs.items():
+            object.__setattr__(self, k, v)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self.__dict__["missing"].append(name)
+        raise AttributeError(
+            f"SchedulerStandIn has no {name!r} (sglang {SGLANG_VERSION}); add it in "
+            f"tests/component/_sglang_components.py if the queues need it"
+        )
+
+
+def _model_config(shape: TinyModelShape, context_len: int):
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.hidden_size * 2,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=context_len,
+    )
+    return types.SimpleNamespace(
+        hf_config=hf,
+        hf_text_config=hf,
+        num_hidden_layers=shape.num_layers,
+        num_attention_layers=shape.num_layers,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        context_len=context_len,
+        dtype=shape.dtype,
+        hf_eos_token_id=set(),
+        is_hybrid_swa=False,
+        get_total_num_kv_heads=lambda: shape.num_kv_heads,
+        get_num_kv_heads=lambda tp_size=1: shape.num_kv_heads,
+    )
+
+
+@dataclasses.dataclass
+class PDSide:
+    """Everything one PD role owns, all real SGLang objects except ``scheduler``."""
+
+    mode: str
+    page_size: int
+    req_to_token_pool: Any
+    kv_pool: Any
+    allocator: Any
+    tree_cache: Any
+    metadata_buffers: Any
+    metadata_allocator: Any
+    scheduler: SchedulerStandIn
+    server_args: Any
+    bootstrap_queue: Any = None  # prefill
+    prealloc_queue: Any = None  # decode
+    transfer_queue: Any = None  # decode
+    kernel_shims: Optional[dict] = None
+
+    def new_req(self, input_len: int = 40, **kwargs):
+        """``make_req`` for this role (``disagg_mode`` set as the scheduler does)."""
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        kwargs.setdefault("disagg_mode", DisaggregationMode(self.mode))
+        kwargs.setdefault("vocab_size", self.scheduler.model_config.vocab_size)
+        return make_req(input_len, **kwargs)
+
+
+def make_metadata_buffers(size: int, *, hidden_size: int = 16):
+    from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
+
+    buffers = call_supported(
+        MetadataBuffers,
+        size=size,
+        hidden_size=hidden_size,
+        hidden_states_dtype=torch.float32,
+        max_sampling_mask_tokens=0,
+        custom_mem_pool=None,
+    )
+    return buffers, ReqToMetadataIdxAllocator(size)
+
+
+def _make_scheduler(side_kwargs: dict, shape: TinyModelShape, context_len: int, server_args):
+    max_total = side_kwargs["max_total_num_tokens"]
+    model_runner = types.SimpleNamespace(
+        effective_max_total_num_tokens=max_total,
+        effective_logical_max_total_num_tokens=max_total,
+        max_total_num_tokens=max_total,
+        max_token_pool_size=max_total,
+        kv_cache_dtype_str="auto",
+        swa_max_total_num_tokens=None,
+    )
+    tp_worker = types.SimpleNamespace(model_runner=model_runner, is_hybrid_swa=False)
+    streamer = StreamRecorder()
+    retired: List[Any] = []
+    bootstrap_failures: List[Any] = []
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    ps = types.SimpleNamespace(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, gpu_id=0, attn_tp_rank=0, attn_tp_size=1)
+    return SchedulerStandIn(
+        server_args=server_args,
+        model_config=_model_config(shape, context_len),
+        tp_worker=tp_worker,
+        req_to_token_pool=side_kwargs["req_to_token_pool"],
+        token_to_kv_pool_allocator=side_kwargs["allocator"],
+        tree_cache=side_kwargs["tree_cache"],
+        max_total_num_tokens=max_total,
+        page_size=side_kwargs["page_size"],
+        output_streamer=streamer,
+        stream_output=streamer.stream_output,
+        stream_recorder=streamer,
+        retired_unadmitted=retired,
+        retire_unadmitted_request=retired.append,
+        running_batch=types.SimpleNamespace(reqs=[]),
+        waiting_queue=[],
+        rust_server=None,
+        kv_shard_widening=1,
+        random_seed=42,
+        enable_hisparse=False,
+        hisparse_coordinator=None,
+        enable_lora=False,
+        enable_priority_scheduling=False,
+        schedule_low_priority_values_first=False,
+        enable_decode_hicache=False,
+        sliding_window_size=None,
+        ps=ps,
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, gpu_id=0,
+        attn_tp_rank=0, attn_tp_size=1,
+        enable_metrics=False,
+        kv_checksum_computer=None,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+        draft_worker=None,
+        attn_tp_cpu_group=gloo_group(),
+        attn_cp_cpu_group=gloo_group(),
+        enable_hicache_storage=False,
+        enable_overlap=False,
+        last_batch=None,
+        metrics_collector=None,
+        metrics_reporter=types.SimpleNamespace(
+            enable_metrics=False, current_scheduler_metrics_enabled=False
+        ),
+        processed_tokens_counter=0,
+        bootstrap_failures=bootstrap_failures,
+        batch_result_processor=types.SimpleNamespace(
+            _maybe_update_reasoning_tokens=lambda req, token_id: None
+        ),
+        handle_bootstrap_failure=bootstrap_failures.append,
+    )
+
+
+def make_pd_side(
+    mode: str,
+    *,
+    server_args,
+    page_size: int = 16,
+    num_tokens: int = 1024,
+    max_reqs: int = 8,
+    context_len: int = 2048,
+    shape: TinyModelShape = TinyModelShape(),
+    num_reserved_decode_tokens: int = 0,
+    decode_radix_cache: bool = False,
+) -> PDSide:
+    """Build one PD role with real SGLang pools and queues on CPU.
+
+    ``mode`` is "prefill" (-> ``bootstrap_queue``) or "decode" (-> ``prealloc_queue``
+    and ``transfer_queue``). Must run inside ``sglang_config(...)``.
+    """
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    assert mode in ("prefill", "decode")
+    if mode == "decode":
+        r2t = make_req_to_token_pool(max_reqs, context_len, decode_pre_alloc=max_reqs)
+    else:
+        r2t = make_req_to_token_pool(max_reqs, context_len)
+    kv_pool = make_kv_pool(num_tokens, page_size, shape)
+    allocator = make_paged_allocator(num_tokens, page_size, kv_pool)
+    # A decode server runs with the radix cache disabled unless
+    # --disaggregation-decode-enable-radix-cache; mirror that by default.
+    radix_disabled = mode == "decode" and not decode_radix_cache
+    tree_cache = make_radix_cache(r2t, allocator, page_size, disable=radix_disabled)
+    buffers, md_alloc = make_metadata_buffers(max_reqs * 2)
+    side_kwargs = dict(
+        req_to_token_pool=r2t, allocator=allocator, tree_cache=tree_cache,
+        page_size=page_size, max_total_num_tokens=num_tokens,
+    )
+    scheduler = _make_scheduler(side_kwargs, shape, context_len, server_args)
+    side = PDSide(
+        mode=mode, page_size=page_size, req_to_token_pool=r2t, kv_pool=kv_pool,
+        allocator=allocator, tree_cache=tree_cache, metadata_buffers=buffers,
+        metadata_allocator=md_alloc, scheduler=scheduler, server_args=server_args,
+    )
+    common = dict(
+        req_to_metadata_buffer_idx_allocator=md_alloc,
+        metadata_buffers=buffers,
+        tp_rank=0, tp_size=1, dp_size=1, gpu_id=0, pp_rank=0, pp_size=1,
+        bootstrap_port=8998,
+        gloo_group=gloo_group(),
+        max_total_num_tokens=num_tokens,
+        scheduler=scheduler,
+        transfer_backend=TransferBackend.FAKE,
+        draft_token_to_kv_pool=None,
+    )
+    if mode == "prefill":
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+        metrics = None
+        if "scheduler_stage_metrics" in inspect.signature(PrefillBootstrapQueue.__init__).parameters:
+            metrics = _stage_metrics()
+        side.bootstrap_queue = call_supported(
+            PrefillBootstrapQueue,
+            token_to_kv_pool=kv_pool,
+            scheduler_stage_metrics=metrics,
+            **common,
+        )
+        scheduler.disagg_prefill_bootstrap_queue = side.bootstrap_queue
+    else:
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+
+        side.transfer_queue = call_supported(DecodeTransferQueue, tree_cache=tree_cache, **common)
+        side.prealloc_queue = call_supported(
+            DecodePreallocQueue,
+            req_to_token_pool=r2t,
+            token_to_kv_pool_allocator=allocator,
+            transfer_queue=side.transfer_queue,
+            tree_cache=tree_cache,
+            num_reserved_decode_tokens=num_reserved_decode_tokens,
+            **common,
+        )
+        scheduler.disagg_decode_transfer_queue = side.transfer_queue
+        scheduler.disagg_decode_prealloc_queue = side.prealloc_queue
+    return side
+
+
+def _stage_metrics():
+    """``scheduler_stage_metrics`` argument of 0.5.2x ``PrefillBootstrapQueue``."""
+    from sglang.srt.disaggregation import prefill as prefill_mod
+
+    cls = getattr(prefill_mod, "SchedulerStageMetricsRecorder", None)
+    if cls is None:
+        return None
+    try:
+        return call_supported(cls, enabled=False)
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------------
+# releasing
+# --------------------------------------------------------------------------------
+def release_req_kv(req, tree_cache):
+    """Give a request's KV back the way decode's abort path does: SGLang's own
+    ``release_kv_cache`` without inserting into the radix tree
+    (``is_insert=False`` <= 0.5.21, ``checkpoint=False`` 0.5.22+)."""
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    params = inspect.signature(release_kv_cache).parameters
+    if "checkpoint" in params:
+        return release_kv_cache(req, tree_cache, checkpoint=False)
+    return release_kv_cache(req, tree_cache, is_insert=False)
+
+
+def release_metadata_slot(side: "PDSide", req) -> None:
+    """Free the request's metadata buffer slot, as the prefill inflight queue does
+    once a transfer finished (idempotent)."""
+    idx = getattr(req, "metadata_buffer_index", -1)
+    if idx is not None and idx >= 0:
+        side.metadata_allocator.free(idx)
+        req.metadata_buffer_index = -1
+
+
+def snapshot(side: "PDSide") -> dict:
+    """Resource counters of one PD side (all read from SGLang's own objects)."""
+    return {
+        "free_pages": free_pages(side.allocator),
+        "req_slots": side.req_to_token_pool.available_size(),
+        "metadata_slots": side.metadata_allocator.available_size(),
+        "evictable": side.tree_cache.evictable_size(),
+        "protected": side.tree_cache.protected_size(),
+    }
