@@ -15,6 +15,9 @@ commands:
                        exits 1 if any guard would refuse
   launch ARGS...       sglang.launch_server ARGS with kvguard installed in every process;
                        accepts every SGLang flag plus the --kvguard-* flags
+  preflight URL...     read each node's pool, limits and context; flag pools smaller than the
+                       context and decode accepting longer prompts than prefill (--json)
+  demo                 the incident's request on a local CPU PD deployment, without and with kvguard
   version              kvguard and SGLang versions
 """
 
@@ -76,6 +79,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return launch(rest, prog="kvguard launch")
     if cmd == "version":
         return _version(rest)
+    if cmd == "preflight":
+        from .tools.preflight import main as preflight
+
+        return preflight(rest)
     if cmd == "demo":
         from .demo.cli import main as demo
 

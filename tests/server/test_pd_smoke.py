@@ -71,3 +71,24 @@ def test_record_over_capacity_behaviour(pd, release, record_property):
         assert r.status == 200, observed
     else:
         assert r.status != 200, observed
+
+
+def test_preflight_flags_the_asymmetric_deployment(pd):
+    """`kvguard preflight` reads the live nodes and flags the incident's configuration."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_kvguard.cli", "preflight", "--json", pd.prefill_url, pd.decode_url],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    data = json.loads(out.stdout)
+    by_mode = {n["mode"]: n for n in data["nodes"]}
+    assert by_mode["prefill"]["pool_tokens"] == PREFILL_POOL
+    assert by_mode["prefill"]["context_length"] == CONTEXT_LENGTH
+    assert by_mode["decode"]["pool_tokens"] == DECODE_POOL
+    assert by_mode["prefill"]["max_req_input_len"] < by_mode["decode"]["max_req_input_len"]
+    fails = [f["message"] for f in data["findings"] if f["level"] == "FAIL"]
+    assert any(f"holds {PREFILL_POOL} tokens" in m for m in fails), fails
+    assert any("decode accepts prompts up to" in m for m in fails), fails

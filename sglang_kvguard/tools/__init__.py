@@ -1,0 +1,1 @@
+"""Operator tools: preflight (and, later, the live probe)."""
