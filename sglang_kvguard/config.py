@@ -68,6 +68,11 @@ FLAGS: List[Flag] = [
 ]
 
 
+def _load_all_flags() -> None:
+    """Guards register their own flags when their modules are imported."""
+    from . import guards  # noqa: F401
+
+
 def register_flag(flag: Flag) -> None:
     """Add a guard's own flag to the table (called at guard-module import)."""
     if any(f.name == flag.name for f in FLAGS):
@@ -86,6 +91,7 @@ class Config:
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Config":
         environ = os.environ if environ is None else environ
+        _load_all_flags()
         values = {}
         for flag in FLAGS:
             raw = environ.get(flag.env, flag.default)
@@ -118,6 +124,7 @@ class Config:
 
 def add_to_parser(parser: argparse.ArgumentParser) -> None:
     """Add every ``--kvguard-*`` flag to ``parser`` (idempotent)."""
+    _load_all_flags()
     existing = {a for action in parser._actions for a in action.option_strings}
     if FLAGS[0].option in existing:
         return
@@ -141,6 +148,7 @@ def split_argv(argv: Sequence[str]) -> Tuple[Dict[str, str], List[str]]:
     Returns the environment updates (``KVGUARD_*``) and the rest of the argument list.
     Accepts both ``--kvguard-x value`` and ``--kvguard-x=value``.
     """
+    _load_all_flags()
     by_option = {f.option: f for f in FLAGS}
     env: Dict[str, str] = {}
     rest: List[str] = []

@@ -58,3 +58,21 @@ def count(event: str, n: int = 1, **labels) -> None:
         _counter().labels(event=event, where=where).inc(n)
     except Exception:  # noqa: BLE001
         pass
+
+
+def set_pool_check(role: str, pool: int, context: int, outcome: str) -> None:
+    """Gauges of the start-up pool check (tokens, and 1 for the outcome)."""
+    try:
+        from prometheus_client import Gauge
+
+        if "pool" not in _metrics:
+            kwargs = {"multiprocess_mode": "max"} if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else {}
+            _metrics["pool"] = Gauge("kvguard_pool_tokens", "KV pool size in tokens seen by the pool check", ["role"], **kwargs)
+            _metrics["ctx"] = Gauge("kvguard_context_tokens", "context length seen by the pool check", ["role"], **kwargs)
+            _metrics["outcome"] = Gauge("kvguard_pool_check", "1 for the pool check outcome", ["role", "outcome"], **kwargs)
+        _metrics["pool"].labels(role=role).set(pool)
+        _metrics["ctx"].labels(role=role).set(context)
+        for o in ("ok", "note", "refuse", "clamp", "warn"):
+            _metrics["outcome"].labels(role=role, outcome=o).set(1 if o == outcome else 0)
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,5 +1,6 @@
 """One module per guard. ``GUARDS`` is the order in which they appear everywhere."""
 
 from .admission_drain import AdmissionDrainGuard
+from .pool_capacity import PoolCapacityGuard
 
-GUARDS = [AdmissionDrainGuard]
+GUARDS = [AdmissionDrainGuard, PoolCapacityGuard]

@@ -24,6 +24,7 @@ def test_doctor_json_reports_every_guard_for_this_release():
     states = {g["name"]: g["state"] for g in data["guards"]}
     expected = "upstream" if Version(RELEASE) >= Version("0.5.21") else "active"
     assert states["admission_drain"] == expected
+    assert states["pool_capacity_check"] == "active"
     assert set(data["activation"].values()) == {"active"}, data["activation"]
     assert data["manifest"].endswith(f"sglang-{RELEASE}.json")
 

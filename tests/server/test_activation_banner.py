@@ -14,7 +14,7 @@ import re
 import pytest
 from packaging.version import Version
 
-from server_tier import CPU_SHIM_PLUGIN, VOCAB
+from server_tier import CPU_SHIM_PLUGIN, DECODE_POOL, VOCAB
 from sglang_kvguard.demo.tinymodel import prompt_of_tokens
 
 pytestmark = pytest.mark.server
@@ -40,6 +40,7 @@ def _check(d, release):
             assert version == release.version
             assert brole == role, (role, brole)
             assert f"admission_drain={_expected_state(release)}" in guards
+            assert "pool_capacity_check=active" in guards
         found[role] = banners
     r = d.generate(prompt_of_tokens(40, vocab=VOCAB, offset=3), max_new_tokens=4)
     assert r.status == 200, r
@@ -48,7 +49,8 @@ def _check(d, release):
 
 
 def test_banner_in_every_scheduler_via_kvguard_launcher(pd_factory, release):
-    d = pd_factory("kvguard-launch", launcher="sglang_kvguard.launch_server")
+    # pools that hold the context: the pool check (default policy refuse) lets them start
+    d = pd_factory("kvguard-launch", launcher="sglang_kvguard.launch_server", prefill_max_total_tokens=DECODE_POOL)
     found = _check(d, release)
     for role, banners in found.items():
         # the launcher process itself logs one banner too, and each process only one
@@ -64,6 +66,7 @@ def test_banner_in_every_scheduler_via_plugin_entry_point(pd_factory, release):
         "plugin",
         launcher="sglang.launch_server",
         sglang_plugins=[CPU_SHIM_PLUGIN, "kvguard"],
+        prefill_max_total_tokens=DECODE_POOL,
         env={"KVGUARD_AUTO_INSTALL": "1"},
     )
     _check(d, release)

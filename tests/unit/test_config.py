@@ -29,6 +29,14 @@ def test_env_is_read_and_validated():
         Config.from_env({"KVGUARD_ON_UNKNOWN": "x"})
 
 
+def test_guard_flags_are_registered():
+    env, rest = split_argv(["--kvguard-pool-policy", "clamp"])
+    assert env == {"KVGUARD_POOL_POLICY": "clamp"} and rest == []
+    assert Config.from_env({}).get("pool_policy") == "refuse"
+    with pytest.raises(ConfigError, match="not one of refuse, clamp, warn"):
+        split_argv(["--kvguard-pool-policy=maybe"])
+
+
 def test_parser_gets_every_flag_once():
     p = argparse.ArgumentParser()
     add_to_parser(p)
