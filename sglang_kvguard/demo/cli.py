@@ -75,7 +75,8 @@ def _run(name: str, launcher: str, model: Path, log_dir: Path, timeout: float, p
     except DeploymentError as exc:
         d.stop()
         reason = next((l for l in str(exc).splitlines() if "kvguard pool check" in l), str(exc).splitlines()[0])
-        return {"refused": reason.strip()[:400], "release": d.release.version if d.release else "?"}
+        reason = reason.split("ERROR ", 1)[-1].strip()
+        return {"refused": reason[:600], "release": d.release.version if d.release else "?"}
     try:
         fit = d.generate(prompt_of_tokens(FIT, vocab=VOCAB), max_new_tokens=8)
         over = d.generate(prompt_of_tokens(OVER, vocab=VOCAB, offset=17), max_new_tokens=8, timeout=timeout)

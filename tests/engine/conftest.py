@@ -1,32 +1,19 @@
 """Engine tier: kvguard's patch engine against a real SGLang release (test bed venv)."""
 
-import importlib.metadata
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 # Tests in this process install and uninstall explicitly.
 os.environ["KVGUARD_AUTO_INSTALL"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-try:
-    RELEASE = importlib.metadata.version("sglang")
-except importlib.metadata.PackageNotFoundError:  # pragma: no cover
-    RELEASE = None
+from _engine_support import RELEASE  # noqa: E402
 
 if RELEASE is None:
     pytest.skip("engine tier needs a test-bed venv with real SGLang (scripts/testbed.sh)", allow_module_level=True)
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
-    env.update(extra)
-    return env
-
-
-def run_py(args, timeout=300, **env):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=clean_env(**env))
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from conftest import RELEASE, run_py
+from _engine_support import RELEASE, run_py
 
 REPO = Path(__file__).resolve().parents[2]
 DOOR = "disagg.prefill.PrefillBootstrapQueue.add"
