@@ -1,6 +1,7 @@
 """One module per guard. ``GUARDS`` is the order in which they appear everywhere."""
 
 from .admission_drain import AdmissionDrainGuard
+from .mooncake_batch_bound import MooncakeBatchBoundGuard
 from .pool_capacity import PoolCapacityGuard
 
-GUARDS = [AdmissionDrainGuard, PoolCapacityGuard]
+GUARDS = [AdmissionDrainGuard, MooncakeBatchBoundGuard, PoolCapacityGuard]

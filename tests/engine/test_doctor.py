@@ -25,6 +25,7 @@ def test_doctor_json_reports_every_guard_for_this_release():
     expected = "upstream" if Version(RELEASE) >= Version("0.5.21") else "active"
     assert states["admission_drain"] == expected
     assert states["pool_capacity_check"] == "active"
+    assert states["mooncake_batch_bound"] == "active"
     assert set(data["activation"].values()) == {"active"}, data["activation"]
     assert data["manifest"].endswith(f"sglang-{RELEASE}.json")
 
@@ -81,6 +82,15 @@ def test_unknown_release_refuses_then_warn_uses_nearest(tmp_path):
     out = doctor("--json", KVGUARD_MANIFEST_DIR=str(d), KVGUARD_ON_UNKNOWN="warn")
     data = json.loads(out.stdout)
     assert any("is not a known release" in w for w in data["warnings"]), data
+
+
+def test_batch_bound_zero_switches_it_off():
+    out = doctor("--json", "--kvguard-max-transfer-batch=0")
+    data = json.loads(out.stdout)
+    g = {g["name"]: g for g in data["guards"]}["mooncake_batch_bound"]
+    assert g["state"] == "off" and "max-transfer-batch=0" in g["reason"]
+    bad = doctor("--kvguard-max-transfer-batch=-3")
+    assert bad.returncode == 2 and "KVGUARD_MAX_TRANSFER_BATCH" in bad.stderr
 
 
 def test_disable_switches_a_guard_off():
