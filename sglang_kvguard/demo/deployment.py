@@ -396,7 +396,7 @@ class PDDeployment:
         backend = self.transfer_backend or ("mooncake_tcp" if rel.has_mooncake_tcp else "mooncake")
         pool = self.prefill_max_total_tokens if role == "prefill" else self.decode_max_total_tokens
         argv = [
-            self.python, "-m", self.launcher,
+            self.python, "-m", *self.launcher.split(),
             "--model-path", self.model_path,
             "--host", self.host,
             "--port", str(self.ports[role]),

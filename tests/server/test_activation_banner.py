@@ -1,8 +1,10 @@
 """kvguard is active, and says so, in every SGLang process of a real PD deployment.
 
 Two ways in, each on real prefill + decode servers behind sglang-router:
-* ``python -m sglang_kvguard.launch_server`` (every release): the launcher installs
-  kvguard, and every process SGLang spawns re-imports it and installs too;
+* ``kvguard launch`` (here as ``python -m sglang_kvguard.cli launch``; every release):
+  the launcher installs kvguard, and every process SGLang spawns re-imports the
+  launcher as its main module and installs too (``python -m
+  sglang_kvguard.launch_server`` is used by the pool-check tests and the demo);
 * SGLang's own plugin loader (entry point group ``sglang.srt.plugins``, 0.5.11+),
   with the plain ``python -m sglang.launch_server``.
 The banner of each scheduler process names its PD role and every guard's state.
@@ -50,7 +52,7 @@ def _check(d, release):
 
 def test_banner_in_every_scheduler_via_kvguard_launcher(pd_factory, release):
     # pools that hold the context: the pool check (default policy refuse) lets them start
-    d = pd_factory("kvguard-launch", launcher="sglang_kvguard.launch_server", prefill_max_total_tokens=DECODE_POOL)
+    d = pd_factory("kvguard-launch", launcher="sglang_kvguard.cli launch", prefill_max_total_tokens=DECODE_POOL)
     found = _check(d, release)
     for role, banners in found.items():
         # the launcher process itself logs one banner too, and each process only one
