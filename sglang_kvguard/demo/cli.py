@@ -105,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.only in (None, "guarded"):
         results["with kvguard (defaults)"] = _run("guarded", "sglang_kvguard.launch_server", model, work, args.timeout, [])
     if args.only in (None, "guarded-warn"):
-        results["with kvguard, pool check relaxed to warn (the engine guards alone)"] = _run(
+        results["with kvguard, pool check relaxed to warn"] = _run(
             "guarded-warn", "sglang_kvguard.launch_server", model, work, args.timeout, [],
             extra=("--kvguard-pool-policy", "warn"))
     print()

@@ -153,7 +153,7 @@ def _replace_aliases(old: Callable, new: Callable, skip: Any, prefixes: Tuple[st
         d = getattr(mod, "__dict__", None)
         if not d:
             continue
-        for attr, value in list(d.items()):
+        for attr, value in list(d.items()):  # a snapshot: imports may run meanwhile
             if value is old:
                 setattr(mod, attr, new)
                 replaced.append((mod, attr))
@@ -162,9 +162,12 @@ def _replace_aliases(old: Callable, new: Callable, skip: Any, prefixes: Tuple[st
                 # ``def launch(..., run_scheduler_process_func=run_scheduler_process)``.
                 funcs = [value]
                 if isinstance(value, type):
-                    funcs = [getattr(v, "__func__", v) for v in vars(value).values()]
+                    funcs = [getattr(v, "__func__", v) for v in list(vars(value).values())]
                 for f in funcs:
-                    _replace_in_defaults(f, old, new)
+                    try:
+                        _replace_in_defaults(f, old, new)
+                    except (AttributeError, TypeError):
+                        pass  # not a plain function after all
     return replaced
 
 

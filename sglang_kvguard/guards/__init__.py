@@ -3,5 +3,6 @@
 from .admission_drain import AdmissionDrainGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
 from .pool_capacity import PoolCapacityGuard
+from .rejection_notice import RejectionNoticeGuard
 
-GUARDS = [AdmissionDrainGuard, MooncakeBatchBoundGuard, PoolCapacityGuard]
+GUARDS = [AdmissionDrainGuard, RejectionNoticeGuard, MooncakeBatchBoundGuard, PoolCapacityGuard]

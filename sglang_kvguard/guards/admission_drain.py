@@ -56,6 +56,11 @@ STREAM_OUTPUT = target(
 )
 
 
+# Called with (queue, req) when kvguard's prefill door drains a request (e.g. the
+# rejection notice to decode); each hook must not raise.
+DOOR_DRAIN_HOOKS: list = []
+
+
 def retire(scheduler, req) -> None:
     """Deliver a door rejection to the client (kvguard's retire_unadmitted_request)."""
     if hasattr(req, "update_finish_state"):
@@ -80,6 +85,11 @@ def _prefill_door(original: Callable) -> Callable:
     def add(self, req, *args, **kwargs):
         if _req.is_unadmitted_reject(req):
             _log_drain("prefill", req)
+            for hook in list(DOOR_DRAIN_HOOKS):
+                try:
+                    hook(self, req)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("door hook %s failed: %s", getattr(hook, "__name__", hook), exc)
             retire(self.scheduler, req)
             return None
         return original(self, req, *args, **kwargs)

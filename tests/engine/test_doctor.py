@@ -26,6 +26,7 @@ def test_doctor_json_reports_every_guard_for_this_release():
     assert states["admission_drain"] == expected
     assert states["pool_capacity_check"] == "active"
     assert states["mooncake_batch_bound"] == "active"
+    assert states["rejection_notice"] == "active"
     assert set(data["activation"].values()) == {"active"}, data["activation"]
     assert data["manifest"].endswith(f"sglang-{RELEASE}.json")
 

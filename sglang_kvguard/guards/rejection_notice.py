@@ -1,0 +1,242 @@
+"""Tell decode, promptly and with the original error, that prefill rejected a request.
+
+In PD mode the router sends each request to prefill and decode. When prefill rejects
+it at its admission door (an over-length prompt, a client abort), no release up to
+0.5.23 tells decode: decode keeps the pages it reserved and waits for a KV transfer
+until its timeout (300 s by default), then answers 500, and the router retries.
+
+kvguard (design: docs/design/admission-notify.md), Mooncake backend:
+
+* prefill, at the door: remember the bootstrap room with the request's own
+  message and status; as soon as decode's transfer info for that room is known
+  (already, or later through ``update_status(room, WaitingForInput)``), send to each
+  decode endpoint a kvguard notice framed as an AUX message (a decode without
+  kvguard logs and drops it) followed by upstream's own 3-frame ``Failed`` status,
+  then forget the room's transfer info (upstream leaks it);
+* decode: ``MooncakeKVManager._handle_aux_data`` picks the notice up; when upstream's
+  own failure path then aborts the request (``prepare_abort(..., 500)``), kvguard
+  substitutes the original message and status (400), so the client of the router
+  gets the prefill's 400 within a second or two, and decode releases its pages
+  through upstream's abort path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+from ..engine.guard import ACTIVE, Decision, Guard
+from ..engine.targets import target
+from . import _req, admission_drain
+
+log = logging.getLogger("sglang_kvguard")
+
+MARKER = b"KVGUARD_REJECT/1"
+_BAD_LEN = struct.pack(">I", 0xFFFFFFFF)  # upstream's aux parser drops a length mismatch
+_TTL = 600.0
+
+UPDATE_STATUS = target(
+    "disagg.common.CommonKVManager.update_status",
+    "sglang.srt.disaggregation.common.conn:CommonKVManager.update_status",
+    why="prefill: decode's transfer info for a room is complete (late notice)",
+)
+HANDLE_AUX = target(
+    "mooncake.MooncakeKVManager._handle_aux_data",
+    "sglang.srt.disaggregation.mooncake.conn:MooncakeKVManager._handle_aux_data",
+    why="decode: receives kvguard's rejection notice",
+)
+PREPARE_ABORT = target(
+    "disagg.utils.prepare_abort",
+    "sglang.srt.disaggregation.utils:prepare_abort",
+    why="decode: the abort of a failed transfer carries the original error",
+)
+
+_lock = threading.Lock()
+# decode side: room -> (status, message, time)
+_received: Dict[int, Tuple[int, str, float]] = {}
+_received_cv = threading.Condition(_lock)
+# prefill side: id(kv_manager) -> room -> (status, message, time)
+_sockets: Dict[Tuple[str, int], object] = {}
+_zmq_ctx = {"ctx": None}
+
+
+def _reason(req) -> Tuple[int, str]:
+    r = _req.abort_reason(req)
+    status = getattr(r, "status_code", None) or 400
+    return int(status), str(getattr(r, "message", None) or "request rejected by prefill")
+
+
+def _socket(endpoint: str, port: int):
+    import zmq
+
+    key = (endpoint, int(port))
+    sock = _sockets.get(key)
+    if sock is None:
+        if _zmq_ctx["ctx"] is None:
+            _zmq_ctx["ctx"] = zmq.Context()
+        sock = _zmq_ctx["ctx"].socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        host = f"[{endpoint}]" if ":" in endpoint else endpoint
+        if ":" in endpoint:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(f"tcp://{host}:{int(port)}")
+        _sockets[key] = sock
+    return sock
+
+
+def _send_notices(kv, room: int, status: int, message: str) -> int:
+    """Send notice + Failed to every decode endpoint known for ``room``; returns how many."""
+    import zmq
+
+    infos = getattr(kv, "transfer_infos", {}).get(room) or {}
+    targets = {(i.endpoint, int(i.dst_port)) for i in infos.values() if getattr(i, "endpoint", None)}
+    payload = json.dumps({"status": status, "message": message}).encode("utf-8")
+    rank = str(getattr(getattr(kv, "kv_args", None), "engine_rank", 0) or 0).encode()
+    sent = 0
+    for endpoint, port in sorted(targets):
+        try:
+            sock = _socket(endpoint, port)
+            sock.send_multipart([b"AUX_DATA", str(room).encode(), b"0", b"0", _BAD_LEN, payload, MARKER], flags=zmq.DONTWAIT)
+            sock.send_multipart([str(room).encode(), b"0", rank], flags=zmq.DONTWAIT)  # KVPoll.Failed == 0
+            sent += 1
+        except Exception as exc:  # noqa: BLE001 - never break the scheduler thread
+            log.warning("could not send the rejection notice for room %s to %s:%s: %s", room, endpoint, port, exc)
+    if sent:
+        # upstream never clears these for a room without a sender
+        for attr in ("transfer_infos", "request_status", "req_to_decode_prefix_len"):
+            getattr(kv, attr, {}).pop(room, None)
+        from .. import metrics
+
+        metrics.count("rejection_notices", n=sent)
+        log.info("told %d decode endpoint(s) that room %s was rejected: %s", sent, room, message)
+    return sent
+
+
+def _prune(table: dict) -> None:
+    now = time.monotonic()
+    for k in [k for k, v in table.items() if now - v[-1] > _TTL]:
+        table.pop(k, None)
+
+
+def note_prefill_rejection(kv, req) -> None:
+    """Prefill door: remember the room and tell decode now if it already registered."""
+    room = getattr(req, "bootstrap_room", None)
+    if kv is None or room is None:
+        return
+    status, message = _reason(req)
+    with _lock:
+        pending = kv.__dict__.setdefault("_kvguard_rejected", {})
+        _prune(pending)
+        infos = getattr(kv, "transfer_infos", {}).get(room)
+        if infos and _send_notices(kv, room, status, message):
+            return
+        pending[room] = (status, message, time.monotonic())
+
+
+def _on_door_drain(queue, req) -> None:
+    note_prefill_rejection(getattr(queue, "kv_manager", None), req)
+
+
+def _update_status(original: Callable) -> Callable:
+    def update_status(self, bootstrap_room, status, *args, **kwargs):
+        pending = self.__dict__.get("_kvguard_rejected")
+        if pending and int(status) == 2 and bootstrap_room in pending:  # KVPoll.WaitingForInput
+            with _lock:
+                entry = pending.pop(bootstrap_room, None)
+                if entry is not None and _send_notices(self, bootstrap_room, entry[0], entry[1]):
+                    return None
+                if entry is not None:
+                    pending[bootstrap_room] = entry
+        return original(self, bootstrap_room, status, *args, **kwargs)
+
+    return update_status
+
+
+def _handle_aux_data(original: Callable) -> Callable:
+    def _handle_aux_data(self, msg, *args, **kwargs):
+        try:
+            if len(msg) >= 7 and msg[6] == MARKER:
+                room = int(msg[1].decode("ascii"))
+                data = json.loads(msg[5].decode("utf-8"))
+                with _received_cv:
+                    _prune(_received)
+                    _received[room] = (int(data["status"]), str(data["message"]), time.monotonic())
+                    _received_cv.notify_all()
+                return None
+        except Exception as exc:  # noqa: BLE001 - an exception here would kill decode_thread
+            log.warning("ignored a malformed kvguard notice: %s", exc)
+            return None
+        return original(self, msg, *args, **kwargs)
+
+    return _handle_aux_data
+
+
+def _prepare_abort(original: Callable) -> Callable:
+    def prepare_abort(req, error_message, *args, **kwargs):
+        room = getattr(req, "bootstrap_room", None)
+        entry = None
+        if room is not None:
+            with _received_cv:
+                entry = _received.pop(room, None)
+                if entry is None and "unknown reason from another rank" in str(error_message):
+                    # another TP rank's Failed can beat this rank's own notice
+                    _received_cv.wait_for(lambda: room in _received, timeout=0.15)
+                    entry = _received.pop(room, None)
+        if entry is None:
+            return original(req, error_message, *args, **kwargs)
+        status, message = entry[0], entry[1]
+        log.warning("request rid=%s room=%s was rejected by prefill: %s", getattr(req, "rid", "?"), room, message)
+        kwargs.pop("status_code", None)
+        return original(req, message, status_code=status)
+
+    return prepare_abort
+
+
+def _retire_unadmitted(original: Callable) -> Callable:
+    def retire_unadmitted_request(self, req, *args, **kwargs):
+        try:
+            queue = getattr(self, "disagg_prefill_bootstrap_queue", None)
+            if queue is not None:
+                note_prefill_rejection(getattr(queue, "kv_manager", None), req)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rejection notice failed: %s", exc)
+        return original(self, req, *args, **kwargs)
+
+    return retire_unadmitted_request
+
+
+class RejectionNoticeGuard(Guard):
+    name = "rejection_notice"
+    protects = "decode learns at once, with the original error, that prefill rejected a request (Mooncake)"
+    targets = (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT, admission_drain.UPSTREAM_RETIRE)
+
+    def decide(self, ctx) -> Decision:
+        for t in (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT):
+            ctx.require(t.key)
+        patches = [UPDATE_STATUS.key, HANDLE_AUX.key, PREPARE_ABORT.key]
+        if ctx.has(admission_drain.UPSTREAM_RETIRE.key):
+            ctx.require(admission_drain.UPSTREAM_RETIRE.key)
+            patches.append(admission_drain.UPSTREAM_RETIRE.key)
+            how = "notice sent from upstream's door (retire_unadmitted_request)"
+        else:
+            if "admission_drain" in ctx.config.disabled:
+                how = "admission_drain is off: no door to send from"
+            else:
+                how = "notice sent from kvguard's prefill door"
+        return Decision(ACTIVE, how, patches=tuple(patches))
+
+    def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
+        return {
+            UPDATE_STATUS.key: _update_status,
+            HANDLE_AUX.key: _handle_aux_data,
+            PREPARE_ABORT.key: _prepare_abort,
+            admission_drain.UPSTREAM_RETIRE.key: _retire_unadmitted,
+        }
+
+    def on_installed(self, ctx) -> None:
+        admission_drain.DOOR_DRAIN_HOOKS[:] = [h for h in admission_drain.DOOR_DRAIN_HOOKS if h is not _on_door_drain]
+        admission_drain.DOOR_DRAIN_HOOKS.append(_on_door_drain)
