@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import sys
 from typing import Callable, Dict
 
 from .engine.targets import target
@@ -54,8 +53,12 @@ _banner_done = {"done": False}
 
 def spawned_child() -> bool:
     """True while (or after) this process was started by multiprocessing spawn."""
-    cp = multiprocessing.current_process()
-    return bool(getattr(cp, "_inheriting", False)) or multiprocessing.parent_process() is not None
+    return preparing_spawned_child() or multiprocessing.parent_process() is not None
+
+
+def preparing_spawned_child() -> bool:
+    """True while multiprocessing prepares a spawned child (re-importing its main)."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
 def defer_banner() -> bool:

@@ -25,7 +25,7 @@ commands:
 def _doctor(argv: List[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvguard doctor", description="State of every kvguard guard for the installed SGLang.")
     ap.add_argument("--json", action="store_true", help="print JSON")
-    from .config import FLAGS, ConfigError, split_argv, Config
+    from .config import ConfigError, split_argv, Config
 
     try:
         env, rest = split_argv(argv)
@@ -96,9 +96,9 @@ def _install_in_spawned_child() -> None:
     main_mod = sys.modules.get("__mp_main__")
     if main_mod is None or not getattr(main_mod, "__file__", None):
         return
-    import multiprocessing
+    from .activation import preparing_spawned_child
 
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
+    if preparing_spawned_child():
         from .engine.runtime import install
 
         install()

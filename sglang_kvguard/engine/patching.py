@@ -19,7 +19,7 @@ import sys
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 MARK = "__kvguard_wrapped__"
 ORIGINAL = "__kvguard_original__"
@@ -56,15 +56,6 @@ def _unwrap_raw(raw: Any) -> Tuple[Callable, Callable[[Callable], Any]]:
     if isinstance(raw, classmethod):
         return raw.__func__, classmethod
     return raw, lambda f: f
-
-
-def current_function(module_name: str, qualname: str) -> Callable:
-    owner, attr = resolve_owner(module_name, qualname)
-    raw = owner.__dict__.get(attr) if hasattr(owner, "__dict__") else None
-    if raw is None:
-        raise PatchError(f"{module_name}:{qualname} is not defined on its owner")
-    func, _ = _unwrap_raw(raw)
-    return func
 
 
 class Patcher:

@@ -24,8 +24,8 @@ from packaging.version import InvalidVersion, Version
 from .. import __version__
 from ..config import Config
 from . import manifest as manifest_mod
-from .fingerprint import FINGERPRINT_SCHEME, fingerprint_file
-from .guard import ACTIVE, OFF, REFUSED, UPSTREAM, Decision, Guard, TargetRefused
+from .fingerprint import fingerprint_file
+from .guard import ACTIVE, OFF, REFUSED, Decision, Guard, TargetRefused
 from .manifest import Located, Manifest
 from .patching import Patcher
 

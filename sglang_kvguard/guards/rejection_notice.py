@@ -27,7 +27,7 @@ import logging
 import struct
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
@@ -59,7 +59,8 @@ _lock = threading.Lock()
 # decode side: room -> (status, message, time)
 _received: Dict[int, Tuple[int, str, float]] = {}
 _received_cv = threading.Condition(_lock)
-# prefill side: id(kv_manager) -> room -> (status, message, time)
+# prefill side: rooms still waiting for decode's transfer info live on each kv
+# manager (``kv._kvguard_rejected``); one PUSH socket per decode endpoint here.
 _sockets: Dict[Tuple[str, int], object] = {}
 _zmq_ctx = {"ctx": None}
 

@@ -1,4 +1,3 @@
-import json
 from pathlib import Path
 
 from sglang_kvguard.engine import manifest
