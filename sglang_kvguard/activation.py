@@ -99,7 +99,15 @@ def _constructor(process: str) -> Callable[[Callable], Callable]:
         def __init__(self, *args, **kwargs):
             server_args = args[0] if args else kwargs.get("server_args")
             log_banner(process, server_args)
-            return original(self, *args, **kwargs)
+            ret = original(self, *args, **kwargs)
+            if process == "scheduler":
+                from . import resources
+
+                try:
+                    resources.start(self)
+                except Exception as exc:  # noqa: BLE001 - observability only
+                    log.warning("kvguard resource gauges not started: %s", exc)
+            return ret
 
         return __init__
 

@@ -4,5 +4,6 @@ from .admission_drain import AdmissionDrainGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
 from .pool_capacity import PoolCapacityGuard
 from .rejection_notice import RejectionNoticeGuard
+from .transfer_coverage import TransferCoverageGuard
 
-GUARDS = [AdmissionDrainGuard, RejectionNoticeGuard, MooncakeBatchBoundGuard, PoolCapacityGuard]
+GUARDS = [AdmissionDrainGuard, RejectionNoticeGuard, TransferCoverageGuard, MooncakeBatchBoundGuard, PoolCapacityGuard]

@@ -1,0 +1,155 @@
+"""transfer_coverage on real PD queues and metadata buffers.
+
+Prefill side: SGLang's own ``PrefillBootstrapQueue`` admits the request, pops it with a
+metadata slot, and ``MetadataBuffers.set_buf`` fills its row (kvguard publishes
+the tokens and pages it sent into the row's spare columns). The transfer of the
+auxiliary data is what Mooncake does with every metadata buffer: a byte copy of the
+request's row into decode's row; here it is a tensor copy of every row-indexed buffer.
+Decode side: SGLang's own ``DecodePreallocQueue`` reserves the pages,
+``DecodeTransferQueue.pop_transferred`` commits the transfer (the fake backend's
+receiver reports success). The mismatch is produced by SGLang's own code path:
+``validate_input_length(..., allow_auto_truncate=True)`` on the prefill node cuts the
+prompt to the prefill limit, while decode (larger limit) reserved the full prompt, so
+prefill "succeeds" with fewer tokens and pages than decode reserved.
+"""
+
+from __future__ import annotations
+
+import os
+from http import HTTPStatus
+
+import pytest
+
+os.environ["KVGUARD_AUTO_INSTALL"] = "0"  # this module installs and uninstalls explicitly
+
+pytestmark = pytest.mark.component
+
+PROMPT = 600
+PREFILL_LIMIT = 250
+HOST = "127.0.0.1"  # a real (not warm-up) bootstrap host: upstream checks the row's room
+
+
+@pytest.fixture
+def kvguard(monkeypatch):
+    import sglang_kvguard
+
+    def install(**env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return sglang_kvguard.install()
+
+    try:
+        yield install
+    finally:
+        sglang_kvguard.uninstall()
+
+
+def _row_buffers(buffers):
+    """Every tensor of ``MetadataBuffers`` that has one row per metadata slot."""
+    size = buffers.output_ids.shape[0]
+    return {
+        name: t
+        for name, t in vars(buffers).items()
+        if hasattr(t, "shape") and len(t.shape) >= 1 and t.shape[0] == size
+    }
+
+
+def _prefill_row(sgl, make_side, room: int, *, truncate: bool):
+    """Run the prefill half up to the last chunk's ``set_buf``; returns the row."""
+    from sglang.srt.managers.utils import validate_input_length
+
+    with make_side("prefill") as p:
+        req = p.new_req(PROMPT, bootstrap_room=room)
+        if truncate:
+            assert validate_input_length(req, PREFILL_LIMIT, True) is None
+            assert len(req.origin_input_ids) == PREFILL_LIMIT
+        p.bootstrap_queue.add(req, p.kv_pool.head_num)
+        popped = p.bootstrap_queue.pop_bootstrapped()
+        if isinstance(popped, tuple):
+            popped = popped[0]
+        assert popped == [req]
+        req.output_ids.append(17)  # the first generated token
+        p.metadata_buffers.set_buf(req)  # what send_kv_chunk(last_chunk=True) does
+        idx = req.metadata_buffer_index
+        row = {name: t[idx].clone() for name, t in _row_buffers(p.metadata_buffers).items()}
+        sgl.release_metadata_slot(p, req)
+        return row
+
+
+def _decode_commit(sgl, make_side, room: int, row):
+    """Reserve on decode, land ``row`` as the transfer's aux data, commit."""
+    with make_side("decode") as d:
+        before = sgl.snapshot(d)
+        req = d.new_req(PROMPT, bootstrap_room=room)
+        d.prealloc_queue.add(req)
+        preallocated, failed = d.prealloc_queue.pop_preallocated()
+        assert not failed and [dr.req for dr in preallocated] == [req]
+        assert sgl.snapshot(d)["free_pages"] < before["free_pages"]
+        idx = preallocated[0].metadata_buffer_index
+        for name, t in _row_buffers(d.metadata_buffers).items():
+            t[idx].copy_(row[name])
+        # The fake backend's queues need the warm-up host up to here; the commit must
+        # treat this as a real transfer (upstream skips its own room check for
+        # warm-up requests, and so does kvguard), so give it a real host now.
+        req.bootstrap_host = HOST
+        d.transfer_queue.extend(preallocated)
+        transferred = d.transfer_queue.pop_transferred()
+        streamed = [r for reqs, _ in d.scheduler.stream_recorder.calls for r in reqs]
+        if transferred:
+            sgl.release_req_kv(req, d.tree_cache)
+        after = sgl.snapshot(d)
+        return req, transferred, streamed, before, after
+
+
+def test_short_transfer_is_failed_before_commit(sgl, make_side, kvguard):
+    kvguard()
+    room = 77001
+    row = _prefill_row(sgl, make_side, room, truncate=True)
+    req, transferred, streamed, before, after = _decode_commit(sgl, make_side, room, row)
+    assert transferred == [], "decode committed a transfer that covers 250 of 600 tokens"
+    reason = req.finished_reason
+    assert type(reason).__name__ == "FINISH_ABORT"
+    assert reason.status_code == HTTPStatus.INTERNAL_SERVER_ERROR
+    assert "250" in reason.message and "600" in reason.message, reason.message
+    assert streamed == [req], "the client must get the error"
+    assert req.output_ids == [] or len(req.output_ids) == 0, "nothing from the bad transfer was committed"
+    # pages and metadata slot went back through the queue's own abort path
+    assert after == before
+
+
+def test_full_transfer_is_committed(sgl, make_side, kvguard):
+    kvguard()
+    room = 77002
+    row = _prefill_row(sgl, make_side, room, truncate=False)
+    req, transferred, streamed, before, after = _decode_commit(sgl, make_side, room, row)
+    assert transferred == [req]
+    assert req.finished_reason is None
+    assert list(req.output_ids) == [17]
+    assert after == before
+
+
+def test_unpublished_row_fails_closed_by_default(sgl, make_side, kvguard):
+    import sglang_kvguard
+
+    room = 77003
+    row = _prefill_row(sgl, make_side, room, truncate=False)  # prefill without kvguard
+    kvguard()
+    req, transferred, streamed, before, after = _decode_commit(sgl, make_side, room, row)
+    assert transferred == []
+    assert "did not publish" in req.finished_reason.message
+    assert after == before
+    sglang_kvguard.uninstall()
+
+    kvguard(KVGUARD_COVERAGE_UNVERIFIED="allow")
+    req, transferred, streamed, before, after = _decode_commit(sgl, make_side, room, row)
+    assert transferred == [req]
+
+
+def test_without_the_guard_the_short_transfer_is_committed(sgl, make_side):
+    """The harness sees the bug: unguarded, decode commits 250 tokens of KV for a
+    600-token reservation and the request goes on to decode over unwritten pages."""
+    room = 77004
+    row = _prefill_row(sgl, make_side, room, truncate=True)
+    req, transferred, streamed, before, after = _decode_commit(sgl, make_side, room, row)
+    assert transferred == [req]
+    assert req.finished_reason is None

@@ -1,0 +1,141 @@
+"""Bad input and load through sglang-router on a guarded PD trio (issue: admission guards).
+
+* 50 concurrent over-capacity prompts mixed with 20 normal ones: every over-capacity
+  prompt gets 400 with the original text, every normal one 200 with its own
+  prompt_tokens, and afterwards free KV tokens (free + evictable), and free metadata
+  slots, on both nodes are back at their starting counts (read from kvguard's own
+  resource gauges on SGLang's /metrics, ``--enable-metrics``);
+* prompts one below, at and past the prefill limit; an empty prompt.
+
+The prefill node is the incident's mis-sized one (pool 256 < context 1024), so the
+pool check is relaxed to ``warn``.
+"""
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from server_tier import VOCAB
+from sglang_kvguard.demo.deployment import http_request
+from sglang_kvguard.demo.tinymodel import prompt_of_tokens
+
+pytestmark = pytest.mark.server
+
+OVER = 600
+ARGS = ["--kvguard-pool-policy", "warn", "--enable-metrics"]
+GAUGES = ("kvguard_kv_free_tokens", "kvguard_kv_evictable_tokens", "kvguard_metadata_free_slots")
+
+
+@pytest.fixture(scope="module")
+def guarded(pd_factory):
+    return pd_factory("guarded-load", launcher="sglang_kvguard.launch_server",
+                      prefill_extra_args=ARGS, decode_extra_args=ARGS)
+
+
+def resources(d, role: str) -> dict:
+    url = d.prefill_url if role == "prefill" else d.decode_url
+    r = http_request(url + "/metrics", timeout=30)
+    assert r.status == 200, r
+    out = {}
+    for name in GAUGES:
+        m = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", r.text, re.M)
+        assert m, f"{name} missing from {role} /metrics"
+        out[name] = float(m.group(1))
+    return out
+
+
+def settled(d, role: str, want: dict, timeout: float = 30.0) -> dict:
+    """Resources of ``role`` once they equal ``want`` (or the last sample at timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = resources(d, role)
+        usable = got["kvguard_kv_free_tokens"] + got["kvguard_kv_evictable_tokens"]
+        if (usable, got["kvguard_metadata_free_slots"]) == want or time.monotonic() > deadline:
+            return {"usable_tokens": usable, "metadata_free_slots": got["kvguard_metadata_free_slots"]}
+        time.sleep(0.5)
+
+
+def _baseline(d, role):
+    time.sleep(2.5)  # the sampler runs once a second
+    got = resources(d, role)
+    return (got["kvguard_kv_free_tokens"] + got["kvguard_kv_evictable_tokens"], got["kvguard_metadata_free_slots"])
+
+
+def test_metrics_show_guard_states_and_resources(guarded):
+    for role in ("prefill", "decode"):
+        url = guarded.prefill_url if role == "prefill" else guarded.decode_url
+        text = http_request(url + "/metrics", timeout=30).text
+        assert re.search(r'^kvguard_guard_state\{[^}]*guard="transfer_coverage"[^}]*state="active"[^}]*\} 1\.0$', text, re.M) or \
+            re.search(r'^kvguard_guard_state\{[^}]*state="active"[^}]*guard="transfer_coverage"[^}]*\} 1\.0$', text, re.M), text[-3000:]
+        res = resources(guarded, role)
+        assert res["kvguard_kv_free_tokens"] > 0 and res["kvguard_metadata_free_slots"] > 0
+
+
+def test_storm_of_over_capacity_prompts_mixed_with_normal_ones(guarded):
+    before = {role: _baseline(guarded, role) for role in ("prefill", "decode")}
+
+    jobs = [("over", i) for i in range(50)] + [("ok", i) for i in range(20)]
+    jobs.sort(key=lambda j: (j[1] * 7 + (j[0] == "ok")) % 11)  # interleave
+
+    def run(job):
+        kind, i = job
+        n = OVER + i if kind == "over" else 20 + i
+        r = guarded.generate(prompt_of_tokens(n, vocab=VOCAB, offset=i), max_new_tokens=4, timeout=120)
+        return kind, n, r
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=70) as pool:
+        results = list(pool.map(run, jobs))
+    elapsed = time.monotonic() - t0
+
+    bad = []
+    for kind, n, r in results:
+        if kind == "over":
+            if r.status != 400 or f"Input length ({n} tokens) exceeds the maximum allowed length" not in r.text:
+                bad.append((kind, n, r))
+        elif r.status != 200 or r.json["meta_info"]["prompt_tokens"] != n:
+            bad.append((kind, n, r))
+    assert not bad, f"{len(bad)} of {len(results)} wrong (storm took {elapsed:.1f}s): {bad[:5]}"
+
+    for role in ("prefill", "decode"):
+        want = before[role]
+        after = settled(guarded, role, want)
+        assert (after["usable_tokens"], after["metadata_free_slots"]) == want, (role, want, after)
+
+
+def _limit(guarded) -> int:
+    r = guarded.generate(prompt_of_tokens(OVER, vocab=VOCAB, offset=3), max_new_tokens=2, timeout=60)
+    assert r.status == 400, r
+    m = re.search(r"maximum allowed length \((\d+) tokens\)", r.text)
+    assert m, r.text
+    return int(m.group(1))
+
+
+def test_prompts_at_and_past_the_limit(guarded):
+    limit = _limit(guarded)  # upstream rejects len >= limit
+    for n in (limit, limit + 1):
+        r = guarded.generate(prompt_of_tokens(n, vocab=VOCAB, offset=2), max_new_tokens=2, timeout=60)
+        assert r.status == 400, r
+        assert f"Input length ({n} tokens) exceeds the maximum allowed length ({limit} tokens)" in r.text, r.text
+        assert r.elapsed < 10, r
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "upstream: on a 256-token prefill pool with page size 16, a prompt of limit-1 (249) "
+    "tokens passes validation but the prefill scheduler never admits it (it needs 16 pages "
+    "plus room for its output); the client waits forever. Not fixed by kvguard yet."))
+def test_longest_accepted_prompt_is_answered(guarded):
+    limit = _limit(guarded)
+    ok = guarded.generate(prompt_of_tokens(limit - 1, vocab=VOCAB, offset=1), max_new_tokens=2, timeout=20)
+    assert ok.status == 200, ok
+    assert ok.json["meta_info"]["prompt_tokens"] == limit - 1
+
+
+def test_empty_prompt_is_a_client_error(guarded):
+    r = guarded.generate("", max_new_tokens=2, timeout=60)
+    assert 400 <= r.status < 500, r
+    r = guarded.generate(input_ids=[], max_new_tokens=2, timeout=60)
+    assert 400 <= r.status < 500, r
