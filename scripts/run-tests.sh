@@ -9,6 +9,9 @@
 #   engine     tests/engine    patch engine / doctor / activation against a real release
 #   component  tests/component real allocators, pools and PD queues on device=cpu
 #   server     tests/server    real prefill + decode + sglang-router on loopback
+#   kernels    tests/kernels   Triton kernels vs the torch reference, bit for bit
+#                              (TRITON_INTERPRET=1 on CPU; real kernels on a GPU),
+#                              in the test bed of KVGUARD_KERNEL_RELEASE (default 0.5.23)
 #
 # Releases per tier (space separated) can be set with
 #   KVGUARD_ENGINE_RELEASES, KVGUARD_COMPONENT_RELEASES, KVGUARD_SERVER_RELEASES.
@@ -78,6 +81,8 @@ done
 for v in $SERVER; do
   if venv=$(testbed "$v"); then run_pytest "server-$v" "$venv/bin/python" tests/server; fi
 done
+KERNEL_RELEASE=${KVGUARD_KERNEL_RELEASE:-0.5.23}
+if venv=$(testbed "$KERNEL_RELEASE"); then run_pytest "kernels" "$venv/bin/python" tests/kernels; fi
 
 python3 - "$RESULTS" <<'PY'
 import glob, sys, xml.etree.ElementTree as ET

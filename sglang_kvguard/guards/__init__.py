@@ -1,9 +1,10 @@
 """One module per guard. ``GUARDS`` is the order in which they appear everywhere."""
 
 from .admission_drain import AdmissionDrainGuard
+from .empty_prompt import EmptyPromptGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
 from .pool_capacity import PoolCapacityGuard
 from .rejection_notice import RejectionNoticeGuard
 from .transfer_coverage import TransferCoverageGuard
 
-GUARDS = [AdmissionDrainGuard, RejectionNoticeGuard, TransferCoverageGuard, MooncakeBatchBoundGuard, PoolCapacityGuard]
+GUARDS = [AdmissionDrainGuard, RejectionNoticeGuard, TransferCoverageGuard, MooncakeBatchBoundGuard, PoolCapacityGuard, EmptyPromptGuard]

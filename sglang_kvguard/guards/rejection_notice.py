@@ -49,6 +49,11 @@ HANDLE_AUX = target(
     "sglang.srt.disaggregation.mooncake.conn:MooncakeKVManager._handle_aux_data",
     why="decode: receives kvguard's rejection notice",
 )
+CHECK_CAPACITY = target(
+    "disagg.prefill.PrefillBootstrapQueue._check_if_req_exceed_kv_capacity",
+    "sglang.srt.disaggregation.prefill:PrefillBootstrapQueue._check_if_req_exceed_kv_capacity",
+    why="prefill: upstream's own capacity rejection before a sender exists (every release)",
+)
 PREPARE_ABORT = target(
     "disagg.utils.prepare_abort",
     "sglang.srt.disaggregation.utils:prepare_abort",
@@ -197,6 +202,19 @@ def _prepare_abort(original: Callable) -> Callable:
     return prepare_abort
 
 
+def _check_capacity(original: Callable) -> Callable:
+    def _check_if_req_exceed_kv_capacity(self, req, *args, **kwargs):
+        rejected = original(self, req, *args, **kwargs)
+        if rejected:
+            try:
+                note_prefill_rejection(getattr(self, "kv_manager", None), req)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("rejection notice failed: %s", exc)
+        return rejected
+
+    return _check_if_req_exceed_kv_capacity
+
+
 def _retire_unadmitted(original: Callable) -> Callable:
     def retire_unadmitted_request(self, req, *args, **kwargs):
         try:
@@ -213,12 +231,12 @@ def _retire_unadmitted(original: Callable) -> Callable:
 class RejectionNoticeGuard(Guard):
     name = "rejection_notice"
     protects = "decode learns at once, with the original error, that prefill rejected a request (Mooncake)"
-    targets = (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT, admission_drain.UPSTREAM_RETIRE)
+    targets = (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT, CHECK_CAPACITY, admission_drain.UPSTREAM_RETIRE)
 
     def decide(self, ctx) -> Decision:
-        for t in (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT):
+        for t in (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT, CHECK_CAPACITY):
             ctx.require(t.key)
-        patches = [UPDATE_STATUS.key, HANDLE_AUX.key, PREPARE_ABORT.key]
+        patches = [UPDATE_STATUS.key, HANDLE_AUX.key, PREPARE_ABORT.key, CHECK_CAPACITY.key]
         if ctx.has(admission_drain.UPSTREAM_RETIRE.key):
             ctx.require(admission_drain.UPSTREAM_RETIRE.key)
             patches.append(admission_drain.UPSTREAM_RETIRE.key)
@@ -235,6 +253,7 @@ class RejectionNoticeGuard(Guard):
             UPDATE_STATUS.key: _update_status,
             HANDLE_AUX.key: _handle_aux_data,
             PREPARE_ABORT.key: _prepare_abort,
+            CHECK_CAPACITY.key: _check_capacity,
             admission_drain.UPSTREAM_RETIRE.key: _retire_unadmitted,
         }
 

@@ -1,0 +1,70 @@
+"""rejection_notice on real prefill queues: every way prefill rejects a request before
+a sender exists leaves the room (with the original message and status) for the
+notice to decode. The notice itself travels over Mooncake: see the server tier
+(tests/server/test_rejection_notice.py)."""
+
+from __future__ import annotations
+
+import os
+from http import HTTPStatus
+
+import pytest
+
+os.environ["KVGUARD_AUTO_INSTALL"] = "0"
+
+pytestmark = pytest.mark.component
+
+
+@pytest.fixture
+def kvguard():
+    import sglang_kvguard
+
+    report = sglang_kvguard.install()
+    try:
+        yield report
+    finally:
+        sglang_kvguard.uninstall()
+
+
+def _pending(side):
+    return side.bootstrap_queue.kv_manager.__dict__.get("_kvguard_rejected", {})
+
+
+def test_capacity_rejection_is_remembered_for_decode(sgl, make_side, kvguard):
+    """Upstream's own ``_check_if_req_exceed_kv_capacity`` (every release) rejects a
+    prompt longer than the pool; kvguard keeps its room, message and 400."""
+    with make_side("prefill", num_tokens=512) as p:
+        before = sgl.snapshot(p)
+        req = p.new_req(700, bootstrap_room=88001)
+        p.bootstrap_queue.add(req, p.kv_pool.head_num)
+        assert getattr(req, "disagg_kv_sender", None) is None
+        assert sgl.snapshot(p) == before
+        reason = req.finished_reason
+        assert reason.status_code == HTTPStatus.BAD_REQUEST
+        status, message, _ = _pending(p)[88001]
+        assert status == 400 and message == reason.message and "700" in message
+
+
+def test_door_rejection_is_remembered_for_decode(sgl, make_side, kvguard):
+    from sglang.srt.managers.utils import validate_input_length
+
+    with make_side("prefill") as p:
+        req = p.new_req(600, bootstrap_room=88002)
+        msg = validate_input_length(req, 250, False)
+        req.set_finish_with_abort(msg)
+        p.bootstrap_queue.add(req, p.kv_pool.head_num)
+        if sgl.at_least("0.5.21"):
+            # upstream's door hands the request to Scheduler.retire_unadmitted_request,
+            # which kvguard wraps on the real Scheduler class; the component harness's
+            # scheduler stand-in records it instead
+            assert p.scheduler.retired_unadmitted == [req]
+            pytest.skip("retire_unadmitted_request is exercised through real servers (server tier)")
+        status, message, _ = _pending(p)[88002]
+        assert (status, message) == (400, msg)
+
+
+def test_admitted_request_leaves_nothing_behind(sgl, make_side, kvguard):
+    with make_side("prefill") as p:
+        req = p.new_req(40, bootstrap_room=88003)
+        p.bootstrap_queue.add(req, p.kv_pool.head_num)
+        assert 88003 not in _pending(p)
