@@ -17,6 +17,9 @@ commands:
                        accepts every SGLang flag plus the --kvguard-* flags
   preflight URL...     read each node's pool, limits and context; flag pools smaller than the
                        context and decode accepting longer prompts than prefill (--json)
+  probe URL            send a live deployment (router, server, OpenAI-compatible endpoint) the
+                       requests that would have caught the incident; PASS/FAIL per check
+                       (--json FILE|-, --junit FILE, --only, --limit N); exits 1 on a FAIL
   demo                 the incident's request on a local CPU PD deployment, without and with kvguard
   version              kvguard and SGLang versions
 """
@@ -65,6 +68,12 @@ def _version(_argv: List[str]) -> int:
     return 0
 
 
+def _probe(argv: List[str]) -> int:
+    from .tools.probe import main as probe
+
+    return probe(argv)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -83,6 +92,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .tools.preflight import main as preflight
 
         return preflight(rest)
+    if cmd == "probe":
+        return _probe(rest)
     if cmd == "demo":
         from .demo.cli import main as demo
 

@@ -1,10 +1,12 @@
 """One module per guard. ``GUARDS`` is the order in which they appear everywhere."""
 
 from .admission_drain import AdmissionDrainGuard
+from .destination_canary import DestinationCanaryGuard
 from .empty_prompt import EmptyPromptGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
 from .pool_capacity import PoolCapacityGuard
 from .rejection_notice import RejectionNoticeGuard
+from .transfer_checksum import TransferChecksumGuard
 from .transfer_coverage import TransferCoverageGuard
 
-GUARDS = [AdmissionDrainGuard, RejectionNoticeGuard, TransferCoverageGuard, MooncakeBatchBoundGuard, PoolCapacityGuard, EmptyPromptGuard]
+GUARDS = [AdmissionDrainGuard, RejectionNoticeGuard, TransferCoverageGuard, DestinationCanaryGuard, TransferChecksumGuard, MooncakeBatchBoundGuard, PoolCapacityGuard, EmptyPromptGuard]

@@ -69,6 +69,11 @@ RESERVE = target(
     "sglang.srt.disaggregation.common.conn:CommonKVReceiver.send_metadata",
     why="decode: tells prefill which pages it reserved for the transfer",
 )
+RESERVE_FAKE = target(
+    "disagg.fake.FakeKVReceiver.send_metadata",
+    "sglang.srt.disaggregation.fake.conn:FakeKVReceiver.send_metadata",
+    why="decode, fake transfer backend (warm-up requests, tests): pages reserved",
+)
 COMMIT = target(
     "disagg.decode.DecodeTransferQueue._commit_transfer_to_req",
     "sglang.srt.disaggregation.decode:DecodeTransferQueue._commit_transfer_to_req",
@@ -206,7 +211,7 @@ def _fail(decode_req, message: str) -> None:
 class TransferCoverageGuard(Guard):
     name = "transfer_coverage"
     protects = "decode never commits a transfer that covers fewer (or more) tokens or pages than it reserved"
-    targets = (PUBLISH, RESERVE, COMMIT)
+    targets = (PUBLISH, RESERVE, RESERVE_FAKE, COMMIT)
 
     def decide(self, ctx) -> Decision:
         for t in self.targets:
@@ -223,5 +228,6 @@ class TransferCoverageGuard(Guard):
         return {
             PUBLISH.key: _set_buf,
             RESERVE.key: _send_metadata,
+            RESERVE_FAKE.key: _send_metadata,
             COMMIT.key: _commit(ctx.config.get("coverage_unverified")),
         }

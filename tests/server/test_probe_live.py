@@ -1,0 +1,124 @@
+"""``kvguard probe`` against real PD deployments through sglang-router.
+
+* Unguarded 0.5.19 (the incident's geometry, see test_incident_red.py): the probe
+  reports over_capacity FAIL with the incident's reason (HTTP 200 for prompts the
+  prefill pool cannot hold) and exits 1. Unguarded 0.5.20+: over_capacity FAILs too,
+  for the other reason (no answer within the timeout).
+* Guarded, pool policy ``warn`` (as in test_rejection_notice.py): over_capacity,
+  prompt_tokens and cross_tenant PASS, exit 0.
+
+What the router accepts (sglang-router 0.3.2, PD mode): ``/v1/completions`` with a
+token-id ``prompt`` is refused with 422 ("data did not match any variant of untagged
+enum StringOrArray"), so the probe falls back to ``/generate`` with ``input_ids``; the
+router hides the workers' limits (``/get_server_info`` has none, ``/v1/models`` no
+``max_model_len``) but lists the workers under ``/workers``, where the probe reads
+prefill's ``max_req_input_len`` (250 -> limit 249).
+
+limit_edges is not asserted to pass here: with a 256-token prefill pool, page 16 and
+8 new tokens, prefill's scheduler admits a prompt only if ``len + 8 + 16 < 256``, so
+prompts of 232..249 tokens pass every length check and then wait forever (guarded or
+not). The probe reports exactly that (a prompt of exactly the limit is not served);
+the plugin test below asserts it.
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from server_tier import REPO
+
+pytestmark = pytest.mark.server
+pytest_plugins = ["pytester"]
+
+VULNERABLE_UP_TO = (0, 5, 19)  # as in test_incident_red.py
+RELAX = ["--kvguard-pool-policy", "warn"]
+INCIDENT = "answered a prompt the deployment cannot hold: the incident"
+LIMIT = 249  # prefill: max_req_input_len = min(1024 - 1, 256 - 1) - 5 = 250; admits len < 250
+
+
+def _probe(url, *args, timeout=240):
+    env = dict(os.environ, KVGUARD_AUTO_INSTALL="0", PYTHONPATH=str(REPO))
+    cp = subprocess.run([sys.executable, "-m", "sglang_kvguard.cli", "probe", url, "-q", "--json", "-", *args],
+                        capture_output=True, text=True, timeout=timeout, cwd=str(REPO), env=env)
+    print(cp.stderr)  # the human summary (stdout holds the JSON)
+    assert cp.stdout.strip(), cp.stderr
+    return cp.returncode, json.loads(cp.stdout), cp.stderr
+
+
+def _checks(rep):
+    return {c["name"]: c for c in rep["checks"]}
+
+
+def test_probe_fails_the_unguarded_deployment_with_the_incident(release, pd_factory, tmp_path):
+    if release.version_tuple > VULNERABLE_UP_TO:
+        pytest.skip(f"SGLang {release.version} does not answer 200 here (see test_incident_red.py); "
+                    "the probe would report a timeout / 5xx instead")
+    d = pd_factory("unguarded", launcher="sglang.launch_server")
+    try:
+        junit = tmp_path / "probe.xml"
+        rc, rep, summary = _probe(d.router_url, "--timeout", "20", "--junit", str(junit))
+    finally:
+        d.stop()  # free the cores and memory for the guarded trio
+    checks = _checks(rep)
+    assert rc == 1, summary
+    assert rep["discovery"]["limit"] == LIMIT, summary
+    assert rep["discovery"]["api"] == "generate", summary
+    oc = checks["over_capacity"]
+    assert oc["status"] == "FAIL" and INCIDENT in oc["reason"], summary
+    for r in oc["measurements"]["requests"]:
+        assert r["status"] == 200 and r["prompt_tokens"] == r["tokens"] > LIMIT, r
+    assert checks["prompt_tokens"]["status"] == "PASS", summary
+    assert "the incident" in junit.read_text()
+
+
+def test_probe_fails_the_unguarded_deployment_after_0_5_19(release, pd_factory):
+    """0.5.20+ unguarded: no 200, but the client gets nothing until decode's transfer
+    timeout (300 s), then a 500 (test_incident_red.py's docstring): still a FAIL."""
+    if release.version_tuple <= VULNERABLE_UP_TO:
+        pytest.skip("covered by the test above on releases that answer 200")
+    d = pd_factory("unguarded-late", launcher="sglang.launch_server")
+    try:
+        rc, rep, summary = _probe(d.router_url, "--timeout", "10", "--only", "over_capacity")
+    finally:
+        d.stop()
+    oc = _checks(rep)["over_capacity"]
+    assert rc == 1 and oc["status"] == "FAIL", summary
+    assert INCIDENT not in oc["reason"], summary
+    assert "no answer within 10 s" in oc["reason"] or "not reach the client as a client error" in oc["reason"], summary
+
+
+@pytest.fixture(scope="module")
+def guarded(pd_factory):
+    return pd_factory("guarded", launcher="sglang_kvguard.launch_server",
+                      prefill_extra_args=RELAX, decode_extra_args=RELAX)
+
+
+def test_probe_passes_the_guarded_deployment(guarded):
+    rc, rep, summary = _probe(guarded.router_url, "--timeout", "30",
+                              "--only", "over_capacity,prompt_tokens,cross_tenant,prefill_speed")
+    checks = _checks(rep)
+    assert rc == 0, summary
+    assert rep["discovery"]["limit"] == LIMIT, summary
+    for name in ("over_capacity", "prompt_tokens", "cross_tenant"):
+        assert checks[name]["status"] == "PASS", summary
+    for r in checks["over_capacity"]["measurements"]["requests"]:
+        assert r["status"] == 400 and r["latency_s"] < 10, r
+    assert "exceeds the maximum allowed length" in checks["over_capacity"]["measurements"]["requests"][0]["body"]
+    assert checks["prefill_speed"]["status"] != "FAIL"
+
+
+def test_pytest_plugin_against_the_guarded_deployment(guarded, pytester):
+    """Last in the module: the at-limit prompt stays queued in prefill (see docstring)."""
+    args = [f"--kvguard-url={guarded.router_url}", "--kvguard-timeout=10", "-k", "over_capacity or limit_edges",
+            "-p", "kvguard_pytest"]
+    if any(ep.value == "kvguard_pytest" for ep in md.entry_points(group="pytest11")):
+        args = args[:-2]  # the installed distribution registers it already
+    res = pytester.runpytest_inprocess(*args)
+    res.assert_outcomes(passed=1, failed=1, deselected=3)
+    out = res.stdout.str()
+    assert f"a prompt of exactly the limit ({LIMIT} tokens) was not served: no answer within 10 s" in out
