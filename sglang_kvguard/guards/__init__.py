@@ -9,4 +9,16 @@ from .rejection_notice import RejectionNoticeGuard
 from .transfer_checksum import TransferChecksumGuard
 from .transfer_coverage import TransferCoverageGuard
 
-GUARDS = [AdmissionDrainGuard, RejectionNoticeGuard, TransferCoverageGuard, DestinationCanaryGuard, TransferChecksumGuard, MooncakeBatchBoundGuard, PoolCapacityGuard, EmptyPromptGuard]
+# Guards sharing a target are wrapped in this order, each around the previous one, so
+# the last listed runs first: before a commit, decode checks coverage (cheapest, names
+# tokens and pages), then canaries (names unwritten pages), then the checksum.
+GUARDS = [
+    AdmissionDrainGuard,
+    RejectionNoticeGuard,
+    TransferChecksumGuard,
+    DestinationCanaryGuard,
+    TransferCoverageGuard,
+    MooncakeBatchBoundGuard,
+    PoolCapacityGuard,
+    EmptyPromptGuard,
+]
