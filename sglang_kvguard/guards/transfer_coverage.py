@@ -32,6 +32,7 @@ lets it through with a counter and a rate-limited warning, for rolling upgrades.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from http import HTTPStatus
 from typing import Callable, Dict, Optional, Tuple
@@ -39,6 +40,7 @@ from typing import Callable, Dict, Optional, Tuple
 from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
+from . import _faults
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -154,6 +156,8 @@ def check(decode_req, row, expected_room) -> Optional[str]:
 def _commit(unverified_policy: str) -> Callable[[Callable], Callable]:
     def factory(original: Callable) -> Callable:
         def _commit_transfer_to_req(self, decode_req, *args, **kwargs):
+            if _faults.ENV in os.environ:  # tests only (see _faults.py)
+                _faults.maybe_inject(decode_req)
             req = decode_req.req
             idx = decode_req.metadata_buffer_index
             room = getattr(req, "bootstrap_room", None)
