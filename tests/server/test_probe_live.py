@@ -122,3 +122,16 @@ def test_pytest_plugin_against_the_guarded_deployment(guarded, pytester):
     res.assert_outcomes(passed=1, failed=1, deselected=3)
     out = res.stdout.str()
     assert f"a prompt of exactly the limit ({LIMIT} tokens) was not served: no answer within 10 s" in out
+
+
+def test_probe_passes_every_check_on_a_correctly_sized_guarded_deployment(pd_factory, guarded):
+    """Pools that hold the context (2048 >= 1024): every check passes, exit 0,
+    including the prompts at and one past the limit."""
+    guarded.stop()  # free the cores for this trio (the guarded trio's tests ran above)
+    d = pd_factory("guarded-sized", launcher="sglang_kvguard.launch_server", prefill_max_total_tokens=2048)
+    rc, rep, summary = _probe(d.router_url, "--timeout", "60")
+    checks = _checks(rep)
+    assert rc == 0, summary
+    assert [c["status"] for c in checks.values()].count("FAIL") == 0, summary
+    for name in ("over_capacity", "limit_edges", "prompt_tokens", "cross_tenant"):
+        assert checks[name]["status"] == "PASS", summary
