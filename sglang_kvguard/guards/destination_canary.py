@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
-from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, _fail, _is_fake
+from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, fail_closed, landed_room
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -115,17 +115,9 @@ def unwritten_pages(receiver) -> Optional[List[int]]:
 
 def _commit(original: Callable) -> Callable:
     def _commit_transfer_to_req(self, decode_req, *args, **kwargs):
-        req = decode_req.req
         receiver = getattr(decode_req, "kv_receiver", None)
-        idx = getattr(decode_req, "metadata_buffer_index", None)
-        room = getattr(req, "bootstrap_room", None)
-        if receiver is None or _is_fake(req) or room is None or idx is None or idx < 0:
-            return original(self, decode_req, *args, **kwargs)
-        try:
-            ready = int(self.metadata_buffers.bootstrap_room[idx][0].item()) == room
-        except Exception:  # noqa: BLE001
-            ready = False
-        if not ready:  # upstream judges rows that are not this request's
+        room = landed_room(self, decode_req) if receiver is not None else None
+        if room is None:
             return original(self, decode_req, *args, **kwargs)
         bad = unwritten_pages(receiver)
         if not bad:
@@ -137,9 +129,7 @@ def _commit(original: Callable) -> Callable:
         shown = ", ".join(str(p) for p in bad[:16]) + (" ..." if len(bad) > 16 else "")
         message = (f"kvguard: {len(bad)} of {total} KV pages reserved for this request were never written "
                    f"by its transfer (pages {shown})")
-        log.error("request rid=%s room=%s failed closed: %s", getattr(req, "rid", "?"), room, message)
-        _fail(decode_req, message)
-        return True
+        return fail_closed(decode_req, room, message)
 
     return _commit_transfer_to_req
 

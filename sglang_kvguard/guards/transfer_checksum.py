@@ -26,13 +26,12 @@ A row without the marker means prefill did not publish (no kvguard there);
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Dict, List, Optional
 
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from .destination_canary import POP_PREALLOCATED, _current, _pool_of, _pop_preallocated, kv_buffers
-from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, _fail, _is_fake
+from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, _is_fake, fail_closed, landed_room, unverified
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -45,7 +44,6 @@ SEND_CHUNK = target(
     why="prefill: sends each chunk's KV; the last call also fills the metadata row",
 )
 
-_last_warning = {"t": 0.0}
 
 
 def _i32(x: int) -> int:
@@ -155,39 +153,24 @@ def check(receiver, row, room: int) -> Optional[str]:
 def _commit(unverified_policy: str) -> Callable[[Callable], Callable]:
     def factory(original: Callable) -> Callable:
         def _commit_transfer_to_req(self, decode_req, *args, **kwargs):
-            req = decode_req.req
             receiver = getattr(decode_req, "kv_receiver", None)
-            idx = getattr(decode_req, "metadata_buffer_index", None)
-            room = getattr(req, "bootstrap_room", None)
-            if receiver is None or _is_fake(req) or room is None or idx is None or idx < 0:
-                return original(self, decode_req, *args, **kwargs)
-            try:
-                ready = int(self.metadata_buffers.bootstrap_room[idx][0].item()) == room
-            except Exception:  # noqa: BLE001
-                ready = False
-            if not ready:
+            room = landed_room(self, decode_req) if receiver is not None else None
+            if room is None:
                 return original(self, decode_req, *args, **kwargs)
             from .. import metrics
 
-            problem = check(receiver, self.metadata_buffers.cached_tokens[idx], room)
+            problem = check(receiver, self.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index], room)
             if problem is None:
                 return original(self, decode_req, *args, **kwargs)
             if problem == "unverified":
                 metrics.count("checksum_unverified")
-                if unverified_policy == "allow":
-                    now = time.monotonic()
-                    if now - _last_warning["t"] > 60:
-                        _last_warning["t"] = now
-                        log.warning("kvguard: prefill did not publish a KV checksum for room %s; allowed", room)
+                message = unverified(unverified_policy, room, "a KV checksum")
+                if message is None:
                     return original(self, decode_req, *args, **kwargs)
-                message = (f"kvguard: prefill did not publish a KV checksum for room {room} "
-                           "(is kvguard installed on the prefill nodes?)")
             else:
                 metrics.count("checksum_mismatches")
                 message = "kvguard: " + problem
-            log.error("request rid=%s room=%s failed closed: %s", getattr(req, "rid", "?"), room, message)
-            _fail(decode_req, message)
-            return True
+            return fail_closed(decode_req, room, message)
 
         return _commit_transfer_to_req
 

@@ -153,48 +153,68 @@ def check(decode_req, row, expected_room) -> Optional[str]:
     return "; ".join(problems)
 
 
+def landed_room(queue, decode_req) -> Optional[int]:
+    """The request's bootstrap room when a real (not warm-up) transfer's metadata row
+    has landed and is this request's; None when upstream should judge the row (not
+    ready yet, or upstream's own metadata-corruption case)."""
+    req = decode_req.req
+    idx = getattr(decode_req, "metadata_buffer_index", None)
+    room = getattr(req, "bootstrap_room", None)
+    if _is_fake(req) or room is None or idx is None or idx < 0:
+        return None
+    try:
+        if int(queue.metadata_buffers.bootstrap_room[idx][0].item()) != room:
+            return None
+    except Exception:  # noqa: BLE001 - let upstream judge the row
+        return None
+    return room
+
+
+def unverified(policy: str, room: int, what: str) -> Optional[str]:
+    """Prefill published no ``what`` for ``room``: the failure message, or None when
+    ``--kvguard-coverage-unverified=allow`` lets the transfer through (warned at most
+    once a minute)."""
+    message = f"kvguard: prefill did not publish {what} for room {room} (is kvguard installed on the prefill nodes?)"
+    if policy != "allow":
+        return message
+    now = time.monotonic()
+    if now - _last_warning["t"] > 60:
+        _last_warning["t"] = now
+        log.warning("%s; allowed by --kvguard-coverage-unverified=allow", message)
+    return None
+
+
+def fail_closed(decode_req, room: int, message: str) -> bool:
+    """Log and fail the request through upstream's corruption path; the value to return
+    from ``_commit_transfer_to_req``."""
+    log.error("request rid=%s room=%s failed closed: %s", getattr(decode_req.req, "rid", "?"), room, message)
+    _fail(decode_req, message)
+    return True  # "remove from the queue": 0.5.10-0.5.12 read this, later releases ignore it
+
+
 def _commit(unverified_policy: str) -> Callable[[Callable], Callable]:
     def factory(original: Callable) -> Callable:
         def _commit_transfer_to_req(self, decode_req, *args, **kwargs):
             if _faults.ENV in os.environ:  # tests only (see _faults.py)
                 _faults.maybe_inject(decode_req)
-            req = decode_req.req
-            idx = decode_req.metadata_buffer_index
-            room = getattr(req, "bootstrap_room", None)
-            buffers = self.metadata_buffers
-            if _is_fake(req) or room is None or idx is None or idx < 0:
-                return original(self, decode_req, *args, **kwargs)
-            try:
-                actual_room = int(buffers.bootstrap_room[idx][0].item())
-            except Exception:  # noqa: BLE001 - let upstream judge the row
-                return original(self, decode_req, *args, **kwargs)
-            if actual_room != room:
-                # not ready, or upstream's own metadata-corruption case: upstream decides
+            room = landed_room(self, decode_req)
+            if room is None:
                 return original(self, decode_req, *args, **kwargs)
             from .. import metrics
 
-            problem = check(decode_req, buffers.cached_tokens[idx], room)
+            problem = check(decode_req, self.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index], room)
             if problem is None:
                 metrics.count("coverage_verified")
                 return original(self, decode_req, *args, **kwargs)
             if problem == "unverified":
                 metrics.count("coverage_unverified")
-                message = (
-                    f"kvguard: prefill did not publish what it transferred for room {room} "
-                    "(is kvguard installed on the prefill nodes?)"
-                )
-                if unverified_policy == "allow":
-                    now = time.monotonic()
-                    if now - _last_warning["t"] > 60:
-                        _last_warning["t"] = now
-                        log.warning("%s; allowed by --kvguard-coverage-unverified=allow", message)
+                message = unverified(unverified_policy, room, "what it transferred")
+                if message is None:
                     return original(self, decode_req, *args, **kwargs)
             else:
                 metrics.count("coverage_mismatches")
                 message = f"kvguard: transferred KV does not cover the reservation: {problem}"
-            log.error("request rid=%s room=%s failed closed: %s", getattr(req, "rid", "?"), room, message)
-            _fail(decode_req, message)
-            return True  # "remove from the queue": 0.5.10-0.5.12 read this, later releases ignore it
+            return fail_closed(decode_req, room, message)
 
         return _commit_transfer_to_req
 
