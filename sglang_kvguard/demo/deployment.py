@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -56,7 +57,7 @@ import urllib.request
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "DeploymentError",
@@ -134,16 +135,54 @@ def http_request(
 # ----------------------------------------------------------------------------- ports
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
-    """``n`` distinct ports that were free a moment ago (all held open while picking)."""
-    socks, ports = [], []
+def _ephemeral_range() -> Tuple[int, int]:
     try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+# Ports the OS hands out for bind(0)/connect live in the ephemeral range, and so
+# do the random ports ZMQ (49152+) picks inside SGLang. A port picked from there
+# and released can be taken by one of those before the server that was meant to
+# have it binds. Pick below the range instead; fall back to bind(0) if it is low.
+_PICK_LO = 20000
+
+
+def free_ports(n: int, host: str = "127.0.0.1", exclude: Sequence[int] = ()) -> List[int]:
+    """``n`` distinct ports that were free a moment ago (all held open while picking).
+
+    Chosen outside the kernel's ephemeral range where it leaves room, so that
+    sockets the servers open meanwhile (ZMQ, Mooncake, HTTP clients) cannot be
+    given the same port before its owner binds it.
+    """
+    lo_eph, _ = _ephemeral_range()
+    hi = lo_eph - 1
+    socks, ports = [], []
+    taken = set(exclude)
+    rng = random.Random()
+    try:
+        tries = 0
         while len(ports) < n:
+            tries += 1
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            if hi - _PICK_LO >= 1000 and tries < 2000:
+                cand = rng.randint(_PICK_LO, hi)
+                if cand in taken:
+                    s.close()
+                    continue
+                try:
+                    s.bind((host, cand))
+                except OSError:
+                    s.close()
+                    continue
+            else:
+                s.bind((host, 0))
             socks.append(s)
             p = s.getsockname()[1]
-            if p not in ports:
+            if p not in taken:
+                taken.add(p)
                 ports.append(p)
     finally:
         for s in socks:
@@ -496,10 +535,32 @@ class PDDeployment:
         for role in ("prefill", "decode"):
             self._spawn(role, self._server_argv(role))
         self._wait_healthy(("prefill", "decode"), t0)
-        self._spawn("router", self._router_argv())
-        self._wait_router(t0)
+        self._start_router(t0)
         self.startup_seconds = time.monotonic() - t0
         return self
+
+    def _start_router(self, t0: float, attempts: int = 3) -> None:
+        """Spawn the router; if it loses a port race, pick fresh ports and respawn.
+
+        The router's two ports were picked before the servers started (30-100 s
+        earlier); the servers' own sockets may have taken one since. The router
+        then exits at once with "Address already in use". That is the harness's
+        fault, not the deployment's, so try again on new ports.
+        """
+        for attempt in range(1, attempts + 1):
+            if attempt > 1:
+                used = [v for k, v in self.ports.items() if k not in ("router", "router_metrics")]
+                self.ports["router"], self.ports["router_metrics"] = free_ports(2, self.host, exclude=used)
+            self._spawn("router", self._router_argv())
+            try:
+                self._wait_router(t0)
+                return
+            except DeploymentError:
+                proc = self.procs["router"]
+                if attempt == attempts or proc.alive() or "Address already in use" not in self.log_tail("router", 200):
+                    raise
+                with open(proc.log_path, "ab") as logf:
+                    logf.write(b"# kvguard demo: router lost a port race; respawning on fresh ports\n")
 
     def _spawn(self, role: str, argv: List[str]) -> None:
         log_path = self.log_dir / f"{role}.log"
