@@ -32,9 +32,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import inspect
-import os
 import sys
-import tempfile
 import types
 from array import array
 from typing import Any, Callable, Dict, Iterator, List, Optional

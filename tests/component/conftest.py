@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import sys
 from pathlib import Path
 

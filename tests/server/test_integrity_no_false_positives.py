@@ -19,7 +19,6 @@ import pytest
 
 from server_tier import DECODE_POOL, VOCAB
 from sglang_kvguard.demo.deployment import http_request
-from sglang_kvguard.demo.tinymodel import prompt_of_tokens
 
 pytestmark = pytest.mark.server
 

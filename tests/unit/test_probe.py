@@ -22,7 +22,6 @@ import time
 import xml.etree.ElementTree as ET
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import pytest
 
 from sglang_kvguard import cli
 from sglang_kvguard.tools import probe
