@@ -5,6 +5,7 @@ from .destination_canary import DestinationCanaryGuard
 from .empty_prompt import EmptyPromptGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
 from .pool_capacity import PoolCapacityGuard
+from .prefill_admission_fit import PrefillAdmissionFitGuard
 from .rejection_notice import RejectionNoticeGuard
 from .transfer_checksum import TransferChecksumGuard
 from .transfer_coverage import TransferCoverageGuard
@@ -19,6 +20,7 @@ GUARDS = [
     DestinationCanaryGuard,
     TransferCoverageGuard,
     MooncakeBatchBoundGuard,
+    PrefillAdmissionFitGuard,
     PoolCapacityGuard,
     EmptyPromptGuard,
 ]

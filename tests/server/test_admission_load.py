@@ -18,13 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server_tier import VOCAB
+from server_tier import PREFILL_POOL, VOCAB
 from sglang_kvguard.demo.deployment import http_request
 from sglang_kvguard.demo.tinymodel import prompt_of_tokens
 
 pytestmark = pytest.mark.server
 
 OVER = 600
+PAGE = 16  # PDDeployment default page size
 ARGS = ["--kvguard-pool-policy", "warn", "--enable-metrics"]
 GAUGES = ("kvguard_kv_free_tokens", "kvguard_kv_evictable_tokens", "kvguard_metadata_free_slots")
 
@@ -123,15 +124,18 @@ def test_prompts_at_and_past_the_limit(guarded):
         assert r.elapsed < 10, r
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "upstream: on a 256-token prefill pool with page size 16, a prompt of limit-1 (249) "
-    "tokens passes validation but the prefill scheduler never admits it (it needs 16 pages "
-    "plus room for its output); the client waits forever. Not fixed by kvguard yet."))
 def test_longest_accepted_prompt_is_answered(guarded):
+    """Upstream accepts up to 249 tokens here but its prefill scheduler admits a prompt
+    only while len + 1 + page (16) < pool (256): 239-249 would wait forever (see
+    test_incident_red). kvguard's prefill_admission_fit lowers the accepted length to
+    what an idle pool admits, so the longest accepted prompts are answered."""
     limit = _limit(guarded)
-    ok = guarded.generate(prompt_of_tokens(limit - 1, vocab=VOCAB, offset=1), max_new_tokens=2, timeout=20)
-    assert ok.status == 200, ok
-    assert ok.json["meta_info"]["prompt_tokens"] == limit - 1
+    assert limit == PREFILL_POOL - 1 - PAGE, limit  # 239 on 0.5.11+
+    for n in (limit - 1, limit - 2, limit - PAGE):
+        ok = guarded.generate(prompt_of_tokens(n, vocab=VOCAB, offset=n % 7), max_new_tokens=2, timeout=30)
+        assert ok.status == 200, (n, ok)
+        assert ok.json["meta_info"]["prompt_tokens"] == n
+    assert "kvguard prefill_admission_fit: this prefill scheduler admits only prompts of at most" in guarded.log_text("prefill")
 
 
 def test_empty_prompt_is_a_client_error(guarded):

@@ -143,3 +143,17 @@ def test_fitting_prompt_still_works_afterwards(unguarded):
     r = unguarded.completions(prompt_of_tokens(FIT_TOKENS, vocab=VOCAB), max_tokens=NEW_TOKENS)
     assert r.status == 200, r
     assert r.json["usage"]["prompt_tokens"] == FIT_TOKENS
+
+
+def test_prompt_the_prefill_pool_never_admits_hangs_unguarded(unguarded):
+    """Upstream's second gap (kvguard's prefill_admission_fit closes it): a prompt of
+    max_req_input_len - 2 tokens passes validation, but the prefill scheduler admits a
+    request only while len + 1 + page_size < free tokens, which an idle 256-token pool
+    never satisfies: no answer. Runs last in this module: the stuck request never
+    leaves the prefill queue (a fitting prompt sent after it was still answered)."""
+    _, p_limit, _ = _limits(unguarded, "prefill")
+    stuck = p_limit - 2  # 248: accepted, never admitted (needs 248 + 1 + 16 < 256)
+    r = unguarded.generate(prompt_of_tokens(stuck, vocab=VOCAB, offset=5), max_new_tokens=2, timeout=20)
+    assert r.status == 0 and r.elapsed >= 19, f"expected no answer within 20 s, got {r!r}"
+    behind = unguarded.generate(prompt_of_tokens(FIT_TOKENS, vocab=VOCAB, offset=6), max_new_tokens=2, timeout=60)
+    assert behind.status == 200, behind  # the node still serves; only the stuck prompt waits
