@@ -10,6 +10,9 @@ allocators, once a second in a daemon thread of each scheduler process, and expo
 * ``kvguard_kv_evictable_tokens{role,rank}``: ``tree_cache.evictable_size()`` (cached
   prefixes that the allocator can take back)
 * ``kvguard_metadata_free_slots{role,rank}``: free PD metadata buffer slots
+* ``kvguard_kv_held_pages{role,rank}``, ``kvguard_kv_quarantined_pages{role,rank}``:
+  pages freed while a transfer still uses them, held (and, past the bound,
+  quarantined) by kvguard's page-lifetime guards
 
 They are served with SGLang's own metrics (``--enable-metrics``, ``GET /metrics``).
 ``KVGUARD_RESOURCE_GAUGES=0`` turns the sampler off.
@@ -44,6 +47,12 @@ def sample(scheduler) -> dict:
     alloc = getattr(scheduler, "token_to_kv_pool_allocator", None)
     if alloc is not None:
         out["kv_free_tokens"] = int(alloc.available_size())
+        from .page_hold import hold_for_allocator
+
+        hold = hold_for_allocator(alloc)
+        if hold is not None:
+            out["kv_held_pages"] = hold.held_pages()
+            out["kv_quarantined_pages"] = hold.quarantined_pages()
     tree = getattr(scheduler, "tree_cache", None)
     if tree is not None and hasattr(tree, "evictable_size"):
         out["kv_evictable_tokens"] = int(tree.evictable_size())
@@ -57,6 +66,8 @@ _DOCS = {
     "kv_free_tokens": "free KV tokens in the scheduler's allocator",
     "kv_evictable_tokens": "KV tokens held by the prefix cache that the allocator can evict",
     "metadata_free_slots": "free PD metadata buffer slots",
+    "kv_held_pages": "KV pages freed by the scheduler but held by kvguard until the transfer using them drains",
+    "kv_quarantined_pages": "held KV pages whose transfer has not drained within --kvguard-quarantine-after",
 }
 
 

@@ -6,6 +6,7 @@ from .empty_prompt import EmptyPromptGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
 from .pool_capacity import PoolCapacityGuard
 from .prefill_admission_fit import PrefillAdmissionFitGuard
+from .prefill_source_hold import PrefillSourceHoldGuard
 from .rejection_notice import RejectionNoticeGuard
 from .transfer_checksum import TransferChecksumGuard
 from .transfer_coverage import TransferCoverageGuard
@@ -20,6 +21,7 @@ GUARDS = [
     DestinationCanaryGuard,
     TransferCoverageGuard,
     MooncakeBatchBoundGuard,
+    PrefillSourceHoldGuard,
     PrefillAdmissionFitGuard,
     PoolCapacityGuard,
     EmptyPromptGuard,

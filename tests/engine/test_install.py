@@ -10,6 +10,10 @@ from _engine_support import RELEASE, run_py
 NEW = Version(RELEASE) >= Version("0.5.21")
 
 
+# every guard that wraps the scheduler constructor, in wrapping order
+SCHEDULER_INIT_GUARDS = ("activation", "pool_capacity_check", "prefill_admission_fit", "prefill_source_hold")
+
+
 def test_install_uninstall_in_process():
     import sglang.srt.disaggregation.decode as decode
     import sglang.srt.disaggregation.prefill as prefill
@@ -26,7 +30,7 @@ def test_install_uninstall_in_process():
         assert sglang_kvguard.install() is report  # idempotent
         # the scheduler constructor carries the banner; the process entry function is
         # left alone (SGLang pickles it by reference for the spawn start method)
-        assert guards_on(scheduler.Scheduler.__init__) == ("activation", "pool_capacity_check")
+        assert guards_on(scheduler.Scheduler.__init__) == SCHEDULER_INIT_GUARDS
         assert scheduler.run_scheduler_process is orig_entry
         assert engine.run_scheduler_process is orig_entry
         assert pickle.loads(pickle.dumps(scheduler.run_scheduler_process)) is orig_entry
@@ -42,7 +46,7 @@ def test_install_uninstall_in_process():
     assert sglang_kvguard.uninstall() == 0  # idempotent
     # and again
     sglang_kvguard.install()
-    assert guards_on(scheduler.Scheduler.__init__) == ("activation", "pool_capacity_check")
+    assert guards_on(scheduler.Scheduler.__init__) == SCHEDULER_INIT_GUARDS
     sglang_kvguard.uninstall()
     assert guards_on(scheduler.Scheduler.__init__) == ()
 
@@ -61,7 +65,7 @@ def test_import_before_sglang_patches_on_import():
     )
     out = run_py(["-c", code])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "entry ('activation', 'pool_capacity_check')" in out.stdout
+    assert f"entry {SCHEDULER_INIT_GUARDS}" in out.stdout
     assert ("door ()" if NEW else "door ('admission_drain',)") in out.stdout
     assert f"kvguard 0.1.0 sglang={RELEASE}" in out.stderr
     assert "admission_drain=" + ("upstream" if NEW else "active") in out.stderr

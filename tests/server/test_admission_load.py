@@ -147,3 +147,17 @@ def test_empty_prompt_is_a_client_error(guarded):
         assert "empty" in r.text, r.text
     ok = guarded.generate(prompt_of_tokens(5, vocab=VOCAB), max_new_tokens=2, timeout=60)
     assert ok.status == 200, ok  # the node survived
+
+
+def test_prefill_source_hold_is_active_and_holds_nothing_when_idle(guarded):
+    """prefill_source_hold wraps the transfer workers and the allocator on the prefill
+    node; after the traffic above nothing stays held or quarantined."""
+    assert "kvguard prefill_source_hold: source pages of Mooncake transfers stay allocated" in guarded.log_text("prefill")
+    r = guarded.generate(prompt_of_tokens(30, vocab=VOCAB, offset=9), max_new_tokens=2, timeout=60)
+    assert r.status == 200, r
+    time.sleep(2.5)  # one sampler period and more
+    text = http_request(guarded.prefill_url + "/metrics", timeout=30).text
+    for name in ("kvguard_kv_held_pages", "kvguard_kv_quarantined_pages"):
+        m = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+        assert m, f"{name} missing from prefill /metrics"
+        assert float(m.group(1)) == 0, (name, m.group(0))

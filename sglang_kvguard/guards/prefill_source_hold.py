@@ -1,0 +1,453 @@
+"""Prefill source pages stay allocated until every Mooncake transfer reading them has drained.
+
+No release (0.5.10-0.5.23) holds prefill source pages for the transfer worker: when a
+request fails or is aborted (``sender.abort()``, decode's ABORT, another rank's
+Failed, a chunked-prefill abort), the scheduler releases its KV at the next inflight
+poll while ``MooncakeKVManager.transfer_worker`` may still be inside
+``batch_transfer_sync`` reading those pages, or may still have the room's chunks
+queued (0.5.10-0.5.12 do not even skip them). The pages go back to the free list,
+the next request writes them, and the late transfer ships that request's KV
+(design: docs/design/page-lifetime.md, hazards P1-P5).
+
+kvguard, in every prefill scheduler process:
+
+* each transfer queue of the KV manager is wrapped: a chunk **pins** its source
+  pages when it is enqueued, and the worker **unpins** them when it asks for its next
+  chunk (it has finished this one), or, if it left transfer futures running (the
+  early return after a failed layer, 0.5.10-0.5.18), when the last of them finishes;
+* the prefill allocator's free sink is wrapped (``free`` up to 0.5.16,
+  ``_release_page_ids`` from 0.5.17, ``free`` of the token allocator): a pinned
+  page's free is diverted and the page held until it is unpinned, then released
+  from the scheduler thread (``PrefillBootstrapQueue.pop_bootstrapped``, every loop
+  iteration);
+* held pages are reported to upstream's leak checker as session-held tokens; a page
+  held past ``--kvguard-quarantine-after`` seconds is quarantined: logged, counted,
+  never freed blind.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, List
+
+from ..activation import SCHEDULER_INIT
+from ..config import Flag, register_flag
+from ..engine.guard import ACTIVE, Decision, Guard
+from ..engine.targets import target
+from ..page_hold import HOLDS, PageHold, hold_for_allocator
+
+log = logging.getLogger("sglang_kvguard")
+
+
+def _positive(value: str) -> float:
+    v = float(value)
+    if v <= 0:
+        raise ValueError("must be > 0")
+    return v
+
+
+register_flag(
+    Flag(
+        "quarantine_after",
+        "300",
+        "Seconds a KV page may wait, freed but still in use by a transfer that has not "
+        "drained, before kvguard reports it quarantined (it is never freed blind).",
+        validate=_positive,
+    )
+)
+
+TRANSFER_WORKER = target(
+    "mooncake.MooncakeKVManager.transfer_worker",
+    "sglang.srt.disaggregation.mooncake.conn:MooncakeKVManager.transfer_worker",
+    why="prefill: the thread that reads source pages (its queue and executor are wrapped)",
+)
+ADD_TRANSFER = target(
+    "mooncake.MooncakeKVManager.add_transfer_request",
+    "sglang.srt.disaggregation.mooncake.conn:MooncakeKVManager.add_transfer_request",
+    why="prefill: enqueues a chunk of source pages",
+)
+PAGED_FREE = target(
+    "allocator.PagedTokenToKVPoolAllocator.free",
+    "sglang.srt.mem_cache.allocator:PagedTokenToKVPoolAllocator.free",
+    "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.free",
+    why="paged allocator free sink up to 0.5.16 (token indices)",
+)
+PAGED_RELEASE = target(
+    "allocator.PagedTokenToKVPoolAllocator._release_page_ids",
+    "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator._release_page_ids",
+    why="paged allocator free sink from 0.5.17 (page ids; free, free_segment, free_page_ids, groups)",
+)
+TOKEN_FREE = target(
+    "allocator.TokenToKVPoolAllocator.free",
+    "sglang.srt.mem_cache.allocator:TokenToKVPoolAllocator.free",
+    "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator.free",
+    why="token allocator (page size 1) free sink",
+)
+POP_BOOTSTRAPPED = target(
+    "disagg.prefill.PrefillBootstrapQueue.pop_bootstrapped",
+    "sglang.srt.disaggregation.prefill:PrefillBootstrapQueue.pop_bootstrapped",
+    why="prefill scheduler thread, every loop iteration: release drained held pages",
+)
+HELD_MIXIN = target(
+    "scheduler.SchedulerRuntimeCheckerMixin._session_held_tokens",
+    "sglang.srt.managers.scheduler_runtime_checker_mixin:SchedulerRuntimeCheckerMixin._session_held_tokens",
+    why="leak checker's session-held term, 0.5.10-0.5.12",
+)
+HELD_OBSERVER = target(
+    "scheduler.SchedulerPoolStatsObserver.session_held_tokens",
+    "sglang.srt.managers.scheduler_components.pool_stats_observer:SchedulerPoolStatsObserver.session_held_tokens",
+    why="leak checker's session-held term, 0.5.13+",
+)
+
+ROLE = "prefill"
+_SWEEP_EVERY = 1.0
+
+
+# ----------------------------------------------------------------------------- transfer side
+
+
+def _chunk_pages(chunk) -> List[int]:
+    idx = getattr(chunk, "prefill_kv_indices", None)
+    if idx is None:
+        return []
+    try:
+        return [int(p) for p in idx.tolist()]
+    except AttributeError:
+        return [int(p) for p in idx]
+
+
+class _PinningQueue:
+    """Wraps one of the manager's transfer queues: pin at put, unpin when the worker is done."""
+
+    def __init__(self, queue, hold: PageHold) -> None:
+        self._kvguard_inner = queue
+        self._hold = hold
+        self._local = threading.local()
+        # Pins are taken only once a wrapped worker consumes this queue: a pin that
+        # no ``get`` of ours would ever release must never be taken.
+        self.consumer_wrapped = False
+
+    def put(self, item, *args, **kwargs):
+        if item is not None and self.consumer_wrapped:
+            pages = _chunk_pages(item)
+            self._hold.pin(pages)
+            try:
+                return self._kvguard_inner.put(item, *args, **kwargs)
+            except BaseException:
+                self._hold.unpin(pages)
+                raise
+        return self._kvguard_inner.put(item, *args, **kwargs)
+
+    def get(self, *args, **kwargs):
+        self.finish_current()
+        item = self._kvguard_inner.get(*args, **kwargs)
+        self._local.current = (_chunk_pages(item), []) if item is not None else None
+        return item
+
+    def track_future(self, fut) -> None:
+        cur = getattr(self._local, "current", None)
+        if cur is not None:
+            cur[1].append(fut)
+
+    def finish_current(self) -> None:
+        """The worker asks for its next chunk: the current one no longer reads its pages,
+        except through futures still running; those unpin when the last one finishes."""
+        cur = getattr(self._local, "current", None)
+        self._local.current = None
+        if cur is None:
+            return
+        pages, futures = cur
+        running = [f for f in futures if not f.done()]
+        if not running:
+            self._hold.unpin(pages)
+            return
+        left = {"n": len(running)}
+        lock = threading.Lock()
+
+        def done(_f) -> None:
+            with lock:
+                left["n"] -= 1
+                last = left["n"] == 0
+            if last:
+                self._hold.unpin(pages)
+
+        for f in running:
+            f.add_done_callback(done)
+
+    def __getattr__(self, name):
+        return getattr(self._kvguard_inner, name)
+
+
+class _TrackingExecutor:
+    """Wraps a worker's executor so that futures are tied to the chunk being sent."""
+
+    def __init__(self, executor, queue: _PinningQueue) -> None:
+        self._kvguard_inner = executor
+        self._queue = queue
+
+    def submit(self, *args, **kwargs):
+        fut = self._kvguard_inner.submit(*args, **kwargs)
+        self._queue.track_future(fut)
+        return fut
+
+    def __getattr__(self, name):
+        return getattr(self._kvguard_inner, name)
+
+
+_proxy_lock = threading.Lock()
+
+
+def _pinning_queues(manager) -> None:
+    """Replace the manager's transfer queues with pinning wrappers (idempotent)."""
+    with _proxy_lock:
+        # The manager (and its workers) is built inside Scheduler.__init__, before
+        # the allocator is bound to the hold: create it here, bind it later.
+        hold = HOLDS.get(ROLE)
+        if hold is None:
+            hold = HOLDS[ROLE] = PageHold(ROLE)
+        queues = getattr(manager, "transfer_queues", None)
+        if not queues:
+            return
+        for i, q in enumerate(queues):
+            if not isinstance(q, _PinningQueue):
+                queues[i] = _PinningQueue(q, hold)
+
+
+def _proxy_for(manager, queue):
+    _pinning_queues(manager)
+    for q in getattr(manager, "transfer_queues", None) or ():
+        if isinstance(q, _PinningQueue) and (q is queue or q._kvguard_inner is queue):
+            return q
+    return queue
+
+
+def _transfer_worker(original: Callable) -> Callable:
+    def transfer_worker(self, queue, executor, *args, **kwargs):
+        q = _proxy_for(self, queue)
+        if isinstance(q, _PinningQueue):
+            q.consumer_wrapped = True
+            executor = _TrackingExecutor(executor, q)
+        else:
+            log.error("kvguard prefill_source_hold: transfer worker started on an unknown queue; its pages are not held")
+        return original(self, q, executor, *args, **kwargs)
+
+    return transfer_worker
+
+
+def _add_transfer_request(original: Callable) -> Callable:
+    def add_transfer_request(self, *args, **kwargs):
+        queues = getattr(self, "transfer_queues", None)
+        if queues and not isinstance(queues[0], _PinningQueue):
+            _pinning_queues(self)
+        return original(self, *args, **kwargs)
+
+    return add_transfer_request
+
+
+# ----------------------------------------------------------------------------- allocator side
+
+
+def _in_free_group(alloc) -> bool:
+    if hasattr(alloc, "is_not_in_free_group"):
+        return not alloc.is_not_in_free_group
+    return getattr(alloc, "free_group", None) is not None
+
+
+def _flush(alloc, hold: PageHold, release_pages: Callable) -> None:
+    pages = hold.take_releasable()
+    if pages:
+        import torch
+
+        release_pages(torch.tensor(pages, dtype=torch.int64, device=getattr(alloc, "device", "cpu")))
+
+
+def _paged_free(original: Callable) -> Callable:
+    """<= 0.5.16: ``free(token_indices)`` releases ``unique(idx // page_size)``."""
+
+    def free(self, free_index, *args, **kwargs):
+        hold = hold_for_allocator(self)
+        if hold is None or not hold.active() or _in_free_group(self):
+            return original(self, free_index, *args, **kwargs)
+        ps = hold.page_size
+        _flush(self, hold, lambda pages: original(self, pages * ps))
+        if free_index.numel() == 0:
+            return original(self, free_index, *args, **kwargs)
+        pages = free_index // ps
+        keep_pages = hold.divert(pages)
+        if keep_pages is pages:
+            return original(self, free_index, *args, **kwargs)
+        if keep_pages.numel() == 0:
+            return None
+        return original(self, keep_pages * ps, *args, **kwargs)
+
+    return free
+
+
+def _paged_release(original: Callable) -> Callable:
+    """0.5.17+: ``_release_page_ids(*page_ids)``, the one sink of every paged free."""
+
+    def _release_page_ids(self, *page_ids):
+        hold = hold_for_allocator(self)
+        if hold is None or not hold.active():
+            return original(self, *page_ids)
+        _flush(self, hold, lambda pages: original(self, pages))
+        import torch
+
+        parts = [p for p in page_ids if p.numel()]
+        if not parts:
+            return original(self, *page_ids)
+        ids = parts[0] if len(parts) == 1 else torch.cat(parts)
+        keep = hold.divert(ids)
+        if keep is ids:
+            return original(self, *page_ids)
+        if keep.numel() == 0:
+            return None
+        return original(self, keep)
+
+    return _release_page_ids
+
+
+def _token_free(original: Callable) -> Callable:
+    """Page size 1: token ids are page ids."""
+
+    def free(self, free_index, *args, **kwargs):
+        hold = hold_for_allocator(self)
+        if hold is None or not hold.active() or _in_free_group(self):
+            return original(self, free_index, *args, **kwargs)
+        _flush(self, hold, lambda pages: original(self, pages))
+        if free_index.numel() == 0:
+            return original(self, free_index, *args, **kwargs)
+        keep = hold.divert(free_index)
+        if keep is free_index:
+            return original(self, free_index, *args, **kwargs)
+        if keep.numel() == 0:
+            return None
+        return original(self, keep, *args, **kwargs)
+
+    return free
+
+
+def release_drained(alloc) -> int:
+    """Scheduler thread: give drained held pages back to ``alloc``; returns how many.
+
+    An empty free through the (wrapped) sink flushes the releasable pages first."""
+    hold = hold_for_allocator(alloc)
+    if hold is None or not hold._releasable:
+        return 0
+    import torch
+
+    n = len(hold._releasable)
+    empty = torch.empty((0,), dtype=torch.int64, device=getattr(alloc, "device", "cpu"))
+    if hasattr(type(alloc), "_release_page_ids"):
+        alloc._release_page_ids(empty)  # 0.5.17+ paged sink
+    else:
+        alloc.free(empty)
+    return n
+
+
+_last_sweep = {"t": 0.0}
+
+
+def _pop_bootstrapped(original: Callable) -> Callable:
+    def pop_bootstrapped(self, *args, **kwargs):
+        try:
+            sched = getattr(self, "scheduler", None)
+            alloc = getattr(sched, "token_to_kv_pool_allocator", None) or getattr(self, "token_to_kv_pool_allocator", None)
+            if alloc is not None:
+                hold = hold_for_allocator(alloc)
+                if hold is not None:
+                    release_drained(alloc)
+                    now = time.monotonic()
+                    if now - _last_sweep["t"] >= _SWEEP_EVERY:
+                        _last_sweep["t"] = now
+                        if hold.sweep(now):
+                            from .. import metrics
+
+                            metrics.count("pages_quarantined", role=ROLE)
+        except Exception as exc:  # noqa: BLE001 - never break the scheduler loop
+            log.warning("kvguard prefill_source_hold: releasing drained pages failed: %s", exc)
+        return original(self, *args, **kwargs)
+
+    return pop_bootstrapped
+
+
+# ----------------------------------------------------------------------------- leak checker
+
+
+def total_held_tokens() -> int:
+    return sum(h.held_tokens() for h in HOLDS.values())
+
+
+def _held_tokens(original: Callable) -> Callable:
+    def session_held_tokens(self, *args, **kwargs):
+        return original(self, *args, **kwargs) + total_held_tokens()
+
+    return session_held_tokens
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+def bind_allocator(alloc, quarantine_after: float = 300.0) -> PageHold:
+    """Make ``alloc`` this process's prefill allocator whose transfer pages are held."""
+    hold = HOLDS.get(ROLE) or PageHold(ROLE, quarantine_after)
+    hold.quarantine_after = float(quarantine_after)
+    hold.bind(alloc)
+    HOLDS[ROLE] = hold
+    return hold
+
+
+def _scheduler_init(quarantine_after: float) -> Callable[[Callable], Callable]:
+    def factory(original: Callable) -> Callable:
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            mode = getattr(self, "disaggregation_mode", None)
+            if str(getattr(mode, "value", mode)) != ROLE:
+                return
+            alloc = getattr(self, "token_to_kv_pool_allocator", None)
+            if alloc is None:
+                return
+            hold = bind_allocator(alloc, quarantine_after)
+            log.info(
+                "kvguard prefill_source_hold: source pages of Mooncake transfers stay allocated until "
+                "the transfer worker has drained them (allocator %s, page size %d, quarantine after %.0f s)",
+                type(alloc).__name__, hold.page_size, quarantine_after,
+            )
+
+        return __init__
+
+    return factory
+
+
+class PrefillSourceHoldGuard(Guard):
+    name = "prefill_source_hold"
+    protects = "prefill source pages are never freed while a Mooncake transfer may still read them"
+    targets = (
+        SCHEDULER_INIT, TRANSFER_WORKER, ADD_TRANSFER, PAGED_FREE, PAGED_RELEASE, TOKEN_FREE,
+        POP_BOOTSTRAPPED, HELD_MIXIN, HELD_OBSERVER,
+    )
+
+    def decide(self, ctx) -> Decision:
+        patches = [SCHEDULER_INIT.key, TRANSFER_WORKER.key, ADD_TRANSFER.key, TOKEN_FREE.key, POP_BOOTSTRAPPED.key]
+        patches.append(PAGED_RELEASE.key if ctx.has(PAGED_RELEASE.key) else PAGED_FREE.key)
+        patches.append(HELD_OBSERVER.key if ctx.has(HELD_OBSERVER.key) else HELD_MIXIN.key)
+        for key in patches:
+            ctx.require(key)
+        sink = "_release_page_ids" if PAGED_RELEASE.key in patches else "free"
+        return Decision(ACTIVE, f"paged free sink: {sink}", patches=tuple(patches))
+
+    def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
+        q = float(ctx.config.get("quarantine_after"))
+        return {
+            SCHEDULER_INIT.key: _scheduler_init(q),
+            TRANSFER_WORKER.key: _transfer_worker,
+            ADD_TRANSFER.key: _add_transfer_request,
+            PAGED_FREE.key: _paged_free,
+            PAGED_RELEASE.key: _paged_release,
+            TOKEN_FREE.key: _token_free,
+            POP_BOOTSTRAPPED.key: _pop_bootstrapped,
+            HELD_MIXIN.key: _held_tokens,
+            HELD_OBSERVER.key: _held_tokens,
+        }

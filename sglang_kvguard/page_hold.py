@@ -1,0 +1,172 @@
+"""Page pins at the KV allocator: a page that a transfer may still touch is never freed.
+
+Shared machinery of the page-lifetime guards (design: docs/design/page-lifetime.md,
+"design B"). Instead of finding every place a release frees KV (request release,
+radix eviction, chunked-prefill dedup, abort paths: they differ by release), the
+allocator's own free sink is wrapped once:
+
+* a transfer **pins** the pages it will read or write (``pin``) and **unpins** them
+  when it has drained (``unpin``), from whatever thread observes that;
+* when the scheduler frees a page that is pinned, the free is **diverted**: the page
+  is held, still out of the free list, and counted;
+* when its last pin goes, a held page becomes **releasable**, and the scheduler thread
+  gives it to the allocator's original free at its next allocator call
+  (``flush``): the allocator is only ever touched from the scheduler thread;
+* a page held longer than the quarantine bound is **quarantined**: logged once and
+  counted, still never freed blind; it is released only if its drain is confirmed
+  later.
+
+Held and quarantined pages are reported to upstream's leak checker as session-held
+tokens (``held_tokens``), so its idle invariant ``available + evictable + protected +
+session_held == total`` keeps holding while a transfer drains.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Dict, Iterable, List, Optional
+
+log = logging.getLogger("sglang_kvguard")
+
+
+class PageHold:
+    """Pins, held pages and quarantine for one allocator (one per scheduler process)."""
+
+    def __init__(self, role: str, quarantine_after: float = 300.0) -> None:
+        self.role = role
+        self.quarantine_after = float(quarantine_after)
+        self._lock = threading.Lock()
+        self._pins: Dict[int, int] = {}
+        self._held: Dict[int, float] = {}  # page -> monotonic time its free was diverted
+        self._releasable: List[int] = []
+        self._quarantined: set = set()
+        self._allocator_ref = None
+        self.page_size = 1
+        self.stats = {"diverted": 0, "released": 0, "quarantined": 0, "released_from_quarantine": 0}
+
+    # -- binding
+    def bind(self, allocator) -> None:
+        self._allocator_ref = weakref.ref(allocator)
+        self.page_size = int(getattr(allocator, "page_size", 1) or 1)
+
+    def owns(self, allocator) -> bool:
+        ref = self._allocator_ref
+        return ref is not None and ref() is allocator
+
+    # -- transfer side (any thread)
+    def pin(self, pages: Iterable[int]) -> None:
+        with self._lock:
+            for p in pages:
+                p = int(p)
+                self._pins[p] = self._pins.get(p, 0) + 1
+
+    def unpin(self, pages: Iterable[int]) -> None:
+        with self._lock:
+            for p in pages:
+                p = int(p)
+                n = self._pins.get(p, 0) - 1
+                if n > 0:
+                    self._pins[p] = n
+                    continue
+                self._pins.pop(p, None)
+                if n < 0:
+                    log.error("kvguard page hold (%s): page %d unpinned more often than pinned", self.role, p)
+                if p in self._held:
+                    self._held.pop(p)
+                    if p in self._quarantined:
+                        self._quarantined.discard(p)
+                        self.stats["released_from_quarantine"] += 1
+                    self._releasable.append(p)
+
+    def pinned(self, page: int) -> bool:
+        with self._lock:
+            return int(page) in self._pins
+
+    def active(self) -> bool:
+        return bool(self._pins) or bool(self._releasable)
+
+    # -- scheduler thread
+    def divert(self, pages) -> Optional[object]:
+        """Split a tensor of page ids: returns those free to release now, holds the rest.
+
+        Returns ``pages`` itself when none is pinned (no copy)."""
+        if not self._pins:
+            return pages
+        import torch
+
+        with self._lock:
+            if not self._pins:
+                return pages
+            ids = pages.tolist()
+            keep = [p for p in ids if p in self._pins]
+            if not keep:
+                return pages
+            now = time.monotonic()
+            for p in keep:
+                self._held.setdefault(p, now)
+            self.stats["diverted"] += len(keep)
+        if len(keep) == len(ids):
+            return pages[:0]
+        kept = set(keep)
+        mask = torch.tensor([p not in kept for p in ids], dtype=torch.bool, device=pages.device)
+        return pages[mask]
+
+    def take_releasable(self) -> List[int]:
+        if not self._releasable:
+            return []
+        with self._lock:
+            out, self._releasable = self._releasable, []
+            self.stats["released"] += len(out)
+        return out
+
+    def sweep(self, now: Optional[float] = None) -> List[int]:
+        """Quarantine pages held past the bound; returns the newly quarantined ones."""
+        if not self._held:
+            return []
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            new = [p for p, t in self._held.items() if p not in self._quarantined and now - t >= self.quarantine_after]
+            self._quarantined.update(new)
+            self.stats["quarantined"] += len(new)
+        if new:
+            log.error(
+                "kvguard page hold (%s): %d page(s) freed %.0f s ago are still in use by a transfer that "
+                "has not drained; quarantined (kept out of the free list, never freed blind): %s",
+                self.role, len(new), self.quarantine_after, sorted(new)[:32],
+            )
+        return new
+
+    # -- accounting
+    def held_pages(self) -> int:
+        with self._lock:
+            return len(self._held) + len(self._releasable)
+
+    def quarantined_pages(self) -> int:
+        with self._lock:
+            return len(self._quarantined)
+
+    def held_tokens(self) -> int:
+        return self.held_pages() * self.page_size
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "pinned": len(self._pins),
+                "held": len(self._held) + len(self._releasable),
+                "quarantined": len(self._quarantined),
+                **self.stats,
+            }
+
+
+# One hold per role in this process (a scheduler process has one KV allocator).
+HOLDS: Dict[str, PageHold] = {}
+
+
+def hold_for_allocator(allocator) -> Optional[PageHold]:
+    for h in HOLDS.values():
+        if h.owns(allocator):
+            return h
+    return None

@@ -1,0 +1,238 @@
+"""prefill_source_hold on SGLang's real allocator, transfer queue and chunk type.
+
+The prefill scheduler frees a request's KV while the Mooncake transfer worker may still
+be reading it (design: docs/design/page-lifetime.md, P1). Here the real
+``PagedTokenToKVPoolAllocator`` of a prefill side, SGLang's own ``FastQueue`` and
+``TransferKVChunk`` are used; kvguard wraps the queue the way its
+``transfer_worker`` wrapper does, and the test thread plays the transfer worker
+(``get()`` the chunk, read the pages, ``get()`` the next one).
+
+* unguarded: pages freed while their chunk is in flight are handed to the next
+  allocation at once (the hazard);
+* guarded: the free is diverted, the pages stay out of the free list (and out of
+  the next allocation) until the worker has moved past the chunk, then come back on
+  the scheduler thread; futures left running by the worker hold them too; a page
+  held past the bound is quarantined, never freed blind, and released when its
+  transfer finally drains; the leak checker's session-held term includes them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+import numpy as np
+import pytest
+
+os.environ["KVGUARD_AUTO_INSTALL"] = "0"
+
+pytestmark = pytest.mark.component
+
+PAGE = 16
+
+
+def _fast_queue():
+    from sglang.srt.disaggregation.common.utils import FastQueue
+
+    return FastQueue()
+
+
+def _chunk(room: int, page_ids):
+    try:
+        from sglang.srt.disaggregation.common.utils import TransferKVChunk
+    except ImportError:  # 0.5.10-0.5.12
+        from sglang.srt.disaggregation.mooncake.conn import TransferKVChunk
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(TransferKVChunk)}
+    kw = dict(
+        room=room,
+        prefill_kv_indices=np.asarray(page_ids, dtype=np.int32),
+        index_slice=slice(0, len(page_ids)),
+        is_last_chunk=True,
+        prefill_aux_index=0,
+        state_indices=None,
+    )
+    return TransferKVChunk(**{k: v for k, v in kw.items() if k in fields})
+
+
+@pytest.fixture
+def guarded():
+    import sglang_kvguard
+
+    report = sglang_kvguard.install()
+    states = {g.name: g.state for g in report.guards}
+    assert states["prefill_source_hold"] == "active", report.as_dict()
+    try:
+        yield report
+    finally:
+        sglang_kvguard.uninstall()
+        from sglang_kvguard.page_hold import HOLDS
+
+        HOLDS.clear()
+
+
+def _pages(tokens):
+    return sorted({int(t) // PAGE for t in tokens.tolist()})
+
+
+def _setup(side, quarantine_after=300.0):
+    from sglang_kvguard.guards import prefill_source_hold as g
+
+    hold = g.bind_allocator(side.allocator, quarantine_after)
+    manager = type("Manager", (), {})()
+    manager.transfer_queues = [_fast_queue()]
+    queue = g._proxy_for(manager, manager.transfer_queues[0])
+    assert isinstance(queue, g._PinningQueue)
+    queue.consumer_wrapped = True  # what the transfer_worker wrapper does
+    return g, hold, queue
+
+
+def test_unguarded_pages_in_flight_are_reused_at_once(make_side):
+    with make_side("prefill", num_tokens=256) as p:
+        a = p.allocator.alloc(4 * PAGE)
+        rest = p.allocator.alloc(p.allocator.available_size())  # fill the pool
+        assert p.allocator.available_size() == 0
+        # a's chunk is queued/in flight; the scheduler frees a (abort, Failed poll)
+        p.allocator.free(a)
+        b = p.allocator.alloc(4 * PAGE)
+        assert _pages(b) == _pages(a)  # the next request writes the pages being sent
+        p.allocator.free(b)
+        p.allocator.free(rest)
+
+
+def test_guarded_pages_in_flight_are_held_until_the_worker_moves_on(make_side, guarded):
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p)
+        total = p.allocator.available_size()
+        a = p.allocator.alloc(4 * PAGE)
+        rest = p.allocator.alloc(p.allocator.available_size())
+        queue.put(_chunk(7001, _pages(a)))
+        got, sending, next_chunk = [], threading.Event(), threading.Event()
+
+        def worker():  # one transfer worker thread per queue, as in SGLang
+            got.append(queue.get().room)  # sending 7001 ...
+            sending.set()
+            next_chunk.wait(10)
+            got.append(queue.get())  # ... done: asks for its next chunk
+
+        t = threading.Thread(target=worker, daemon=True)
+        t.start()
+        assert sending.wait(5) and got == [7001]
+
+        p.allocator.free(a)  # the scheduler releases the aborted request
+        assert p.allocator.available_size() == 0
+        assert p.allocator.alloc(PAGE) is None  # nothing to hand out: no reuse
+        assert hold.held_tokens() == 4 * PAGE
+        assert g.total_held_tokens() == 4 * PAGE  # what the leak checker adds
+
+        next_chunk.set()
+        import time
+
+        deadline = time.monotonic() + 5
+        while not hold._releasable and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.allocator.available_size() == 0  # still held until the scheduler thread runs
+        assert g.release_drained(p.allocator) == 4
+        assert p.allocator.available_size() == 4 * PAGE
+        assert hold.held_tokens() == 0
+        queue.put(None)  # wake the worker thread (0.5.23's teardown sentinel)
+        t.join(5)
+        assert got == [7001, None]
+        p.allocator.free(rest)
+        p.allocator.free(p.allocator.alloc(4 * PAGE))
+        assert p.allocator.available_size() == total
+
+
+def test_unpinned_frees_pass_straight_through(make_side, guarded):
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p)
+        a = p.allocator.alloc(2 * PAGE)
+        b = p.allocator.alloc(2 * PAGE)
+        queue.put(_chunk(7002, _pages(a)))
+        before = p.allocator.available_size()
+        p.allocator.free(b)  # b is not being sent
+        assert p.allocator.available_size() == before + 2 * PAGE
+        p.allocator.free(a)  # a is queued (not yet dequeued): held
+        assert p.allocator.available_size() == before + 2 * PAGE
+        assert queue.get().room == 7002
+        queue.finish_current()
+        g.release_drained(p.allocator)
+        assert p.allocator.available_size() == before + 4 * PAGE
+
+
+def test_running_futures_hold_the_pages(make_side, guarded):
+    """0.5.10-0.5.18: after a failed layer the worker cancels and returns early, leaving
+    running transfer futures that still read the pages."""
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p)
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        executor = g._TrackingExecutor(pool, queue)
+        release = threading.Event()
+        a = p.allocator.alloc(3 * PAGE)
+        base = p.allocator.available_size()
+        queue.put(_chunk(7003, _pages(a)))
+        queue.get()
+        fut = executor.submit(release.wait, 10)
+        queue.finish_current()  # the worker moved on; the future still reads
+        p.allocator.free(a)
+        g.release_drained(p.allocator)
+        assert p.allocator.available_size() == base
+        release.set()
+        fut.result(5)
+        g.release_drained(p.allocator)
+        assert p.allocator.available_size() == base + 3 * PAGE
+        pool.shutdown()
+
+
+def test_a_transfer_that_never_drains_is_quarantined_not_freed(make_side, guarded):
+    import time
+
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p, quarantine_after=0.05)
+        a = p.allocator.alloc(2 * PAGE)
+        base = p.allocator.available_size()
+        queue.put(_chunk(7004, _pages(a)))
+        queue.get()  # stuck inside the transfer (peer frozen)
+        p.allocator.free(a)
+        time.sleep(0.1)
+        assert sorted(hold.sweep()) == _pages(a)
+        assert hold.quarantined_pages() == 2
+        g.release_drained(p.allocator)
+        assert p.allocator.available_size() == base  # never freed blind
+        queue.finish_current()  # the transfer finally returns (timeout or success)
+        assert g.release_drained(p.allocator) == 2
+        assert p.allocator.available_size() == base + 2 * PAGE
+        assert hold.quarantined_pages() == 0
+        assert hold.snapshot()["released_from_quarantine"] == 2
+
+
+def test_queues_wrapped_before_the_allocator_is_bound_pin_once_a_worker_consumes(make_side, guarded):
+    """SGLang builds the KV manager, and starts its workers, inside Scheduler.__init__,
+    before kvguard binds the allocator. A queue whose consumer is not kvguard's wrapped
+    worker must never pin (nothing would unpin)."""
+    from sglang_kvguard.guards import prefill_source_hold as g
+    from sglang_kvguard.page_hold import HOLDS
+
+    HOLDS.clear()
+    manager = type("Manager", (), {})()
+    manager.transfer_queues = [_fast_queue()]
+    raw = manager.transfer_queues[0]
+    queue = g._proxy_for(manager, raw)  # worker start: no hold bound yet
+    assert isinstance(queue, g._PinningQueue) and manager.transfer_queues[0] is queue
+    assert g._proxy_for(manager, raw) is queue  # one proxy per queue
+    queue.put(_chunk(7005, [1, 2]))  # no worker of ours consumes it: no pin
+    assert HOLDS["prefill"].snapshot()["pinned"] == 0
+    assert queue.get().room == 7005
+    with make_side("prefill", num_tokens=256) as p:
+        hold = g.bind_allocator(p.allocator)  # end of Scheduler.__init__
+        assert hold is HOLDS["prefill"]
+        queue.consumer_wrapped = True
+        a = p.allocator.alloc(PAGE)
+        queue.put(_chunk(7006, _pages(a)))
+        assert hold.snapshot()["pinned"] == 1
+        queue.get()
+        queue.finish_current()
+        assert hold.snapshot()["pinned"] == 0
+        p.allocator.free(a)

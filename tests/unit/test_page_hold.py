@@ -1,0 +1,66 @@
+"""PageHold bookkeeping (pins, held, releasable, quarantine) without SGLang or torch.
+
+The allocator side (``divert`` on real tensors, the wrapped free sinks) is tested on
+real SGLang allocators in tests/component/test_prefill_source_hold.py."""
+
+import threading
+
+from sglang_kvguard.page_hold import PageHold
+
+
+def _hold_with_held(pages, q=300.0):
+    h = PageHold("prefill", quarantine_after=q)
+    h.page_size = 16
+    h.pin(pages)
+    # what divert() records for pinned pages whose free was diverted
+    for p in pages:
+        h._held[p] = 0.0
+    return h
+
+
+def test_pins_are_counted_and_release_needs_the_last_unpin():
+    h = _hold_with_held([3, 4])
+    h.pin([3])  # a second chunk of the same room reads page 3 too
+    h.unpin([3, 4])
+    assert h.take_releasable() == [4]
+    assert h.pinned(3) and not h.pinned(4)
+    assert h.held_tokens() == 16  # page 3 still held
+    h.unpin([3])
+    assert h.take_releasable() == [3]
+    assert h.held_tokens() == 0 and not h.active()
+
+
+def test_unpinned_page_that_was_never_freed_is_not_released():
+    h = PageHold("prefill")
+    h.pin([9])
+    h.unpin([9])
+    assert h.take_releasable() == []
+
+
+def test_quarantine_after_the_bound_and_release_on_late_drain():
+    h = _hold_with_held([5, 6], q=10.0)
+    assert h.sweep(now=5.0) == []
+    assert sorted(h.sweep(now=11.0)) == [5, 6]
+    assert h.sweep(now=20.0) == []  # reported once
+    assert h.quarantined_pages() == 2 and h.held_pages() == 2
+    h.unpin([5, 6])
+    assert sorted(h.take_releasable()) == [5, 6]
+    assert h.quarantined_pages() == 0
+    assert h.snapshot()["released_from_quarantine"] == 2
+
+
+def test_concurrent_pin_unpin_balances():
+    h = PageHold("prefill")
+    pages = list(range(1, 65))
+
+    def work():
+        for _ in range(200):
+            h.pin(pages)
+            h.unpin(pages)
+
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert h.snapshot()["pinned"] == 0
