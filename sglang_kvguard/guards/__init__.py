@@ -1,6 +1,7 @@
 """One module per guard. ``GUARDS`` is the order in which they appear everywhere."""
 
 from .admission_drain import AdmissionDrainGuard
+from .decode_deferred_release import DecodeDeferredReleaseGuard
 from .destination_canary import DestinationCanaryGuard
 from .empty_prompt import EmptyPromptGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
@@ -22,6 +23,7 @@ GUARDS = [
     TransferCoverageGuard,
     MooncakeBatchBoundGuard,
     PrefillSourceHoldGuard,
+    DecodeDeferredReleaseGuard,
     PrefillAdmissionFitGuard,
     PoolCapacityGuard,
     EmptyPromptGuard,

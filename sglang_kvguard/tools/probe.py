@@ -27,7 +27,8 @@ sglang-router answers 422 in PD mode), SGLang's native ``/generate`` with
 The limit (longest prompt the deployment should accept, in tokens) is ``--limit``
 or, by default, the smallest of: each node's ``max_req_input_len - 1`` (SGLang's
 scheduler admits ``len < max_req_input_len``) and ``context_length - max_tokens``
-(the tokenizer admits ``len < context`` and ``len + max_new_tokens <= context``).
+(the tokenizer admits ``len < context`` and ``len + max_new_tokens <= context``;
+up to 0.5.10, ``< context``, so one less there).
 Nodes are the URL itself, every worker a router lists under ``/workers`` (PD
 routers hide their workers' limits), and each ``--node URL``.
 
@@ -44,6 +45,7 @@ import http.client
 import json
 import math
 import random
+import re
 import socket
 import sys
 import threading
@@ -293,8 +295,12 @@ def discover(client: Client, cfg: ProbeConfig) -> Discovery:
         if n.max_req_input_len is not None:
             cands.append((n.max_req_input_len - 1, f"max_req_input_len {n.max_req_input_len} - 1 at {where}"))
         if n.context_length is not None:
-            cands.append((n.context_length - cfg.max_tokens,
-                          f"context {n.context_length} - max_tokens {cfg.max_tokens} at {where}"))
+            if _strict_total(n.version):  # 0.5.10 rejects len + max_new_tokens >= context
+                cands.append((n.context_length - cfg.max_tokens - 1,
+                              f"context {n.context_length} - max_tokens {cfg.max_tokens} - 1 at {where}"))
+            else:
+                cands.append((n.context_length - cfg.max_tokens,
+                              f"context {n.context_length} - max_tokens {cfg.max_tokens} at {where}"))
     if cfg.limit is not None:
         disc.limit, disc.limit_source = cfg.limit, "--limit"
     elif cands:
@@ -304,6 +310,12 @@ def discover(client: Client, cfg: ProbeConfig) -> Discovery:
     pages = [n.page_size for n in disc.nodes if n.page_size]
     disc.page = cfg.page or (max(pages) if pages else 64)
     return disc
+
+
+def _strict_total(version: Optional[str]) -> bool:
+    """SGLang up to 0.5.10 rejects ``len + max_new_tokens >= context``; 0.5.11+ only ``>``."""
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", str(version or ""))
+    return bool(m) and tuple(int(x) for x in m.groups()) <= (0, 5, 10)
 
 
 # ----------------------------------------------------------------------------- requests

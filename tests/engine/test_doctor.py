@@ -99,3 +99,41 @@ def test_disable_switches_a_guard_off():
     data = json.loads(out.stdout)
     assert {g["name"]: g["state"] for g in data["guards"]}["admission_drain"] == "off"
     assert out.returncode == 0
+
+
+DEFERRED = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
+
+
+def _deferred(*args, **env):
+    code = (
+        "import json, os, sglang_kvguard\n"
+        "r = sglang_kvguard.install()\n"
+        "g = [g for g in r.guards if g.name == 'decode_deferred_release'][0]\n"
+        "from sglang.srt.environ import envs\n"
+        f"v = envs.{DEFERRED}.get() if hasattr(envs, '{DEFERRED}') else None\n"
+        "print(json.dumps({'state': g.state, 'reason': g.reason, 'upstream_reads': v}))\n"
+    )
+    out = run_py(["-c", code], **env)
+    return out, (json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None)
+
+
+def test_decode_deferred_release_per_release_and_policy():
+    new = Version(RELEASE) >= Version("0.5.21")
+    out, got = _deferred()
+    assert out.returncode == 0, out.stderr[-3000:]
+    if not new:
+        assert got["state"] == "off" and "not built yet" in got["reason"], got
+        return
+    assert got == {"state": "upstream", "reason": got["reason"], "upstream_reads": True}, got
+
+    # switched off by the operator: kvguard switches it back on, upstream then reads True
+    out, got = _deferred(**{DEFERRED: "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert got["state"] == "active" and got["upstream_reads"] is True, got
+
+    out, got = _deferred(**{DEFERRED: "false", "KVGUARD_DEFERRED_RELEASE": "allow"})
+    assert got["state"] == "off" and got["upstream_reads"] is False, got
+
+    out, _ = _deferred(**{DEFERRED: "0", "KVGUARD_DEFERRED_RELEASE": "refuse"})
+    assert out.returncode != 0  # fail closed: refused guard, --kvguard-on-unknown=refuse
+    assert "decode_deferred_release" in out.stderr and DEFERRED in out.stderr, out.stderr[-3000:]

@@ -14,11 +14,12 @@ router hides the workers' limits (``/get_server_info`` has none, ``/v1/models`` 
 ``max_model_len``) but lists the workers under ``/workers``, where the probe reads
 prefill's ``max_req_input_len`` (250 -> limit 249).
 
-limit_edges is not asserted to pass here: with a 256-token prefill pool, page 16 and
-8 new tokens, prefill's scheduler admits a prompt only if ``len + 8 + 16 < 256``, so
-prompts of 232..249 tokens pass every length check and then wait forever (guarded or
-not). The probe reports exactly that (a prompt of exactly the limit is not served);
-the plugin test below asserts it.
+limit_edges: with a 256-token prefill pool and page 16, upstream's prefill scheduler
+admits a prompt only if ``len + 1 + 16 < 256`` (0.5.11+), so unguarded prompts of
+239..249 tokens pass every length check and then wait forever. kvguard's
+prefill_admission_fit lowers the prefill's accepted length to 239 there, which the
+probe reads (limit 238), so limit_edges passes on the guarded trio too; on 0.5.10 (no
+page in the estimate) the limit stays 249 and is served.
 """
 from __future__ import annotations
 
@@ -38,7 +39,15 @@ pytest_plugins = ["pytester"]
 VULNERABLE_UP_TO = (0, 5, 19)  # as in test_incident_red.py
 RELAX = ["--kvguard-pool-policy", "warn"]
 INCIDENT = "answered a prompt the deployment cannot hold: the incident"
-LIMIT = 249  # prefill: max_req_input_len = min(1024 - 1, 256 - 1) - 5 = 250; admits len < 250
+# prefill: upstream max_req_input_len = min(1024 - 1, 256 - 1) - 5 = 250 (admits len < 250);
+# kvguard lowers it to 256 - 1 - 16 = 239 where the admission estimate adds a page (0.5.11+)
+UPSTREAM_LIMIT = 249
+GUARDED_LIMIT = 238
+
+
+def _limit(release) -> int:
+    """The limit the probe reads from the guarded trio."""
+    return GUARDED_LIMIT if release.version_tuple >= (0, 5, 11) else UPSTREAM_LIMIT
 
 
 def _probe(url, *args, timeout=240):
@@ -66,12 +75,12 @@ def test_probe_fails_the_unguarded_deployment_with_the_incident(release, pd_fact
         d.stop()  # free the cores and memory for the guarded trio
     checks = _checks(rep)
     assert rc == 1, summary
-    assert rep["discovery"]["limit"] == LIMIT, summary
+    assert rep["discovery"]["limit"] == UPSTREAM_LIMIT, summary
     assert rep["discovery"]["api"] == "generate", summary
     oc = checks["over_capacity"]
     assert oc["status"] == "FAIL" and INCIDENT in oc["reason"], summary
     for r in oc["measurements"]["requests"]:
-        assert r["status"] == 200 and r["prompt_tokens"] == r["tokens"] > LIMIT, r
+        assert r["status"] == 200 and r["prompt_tokens"] == r["tokens"] > UPSTREAM_LIMIT, r
     assert checks["prompt_tokens"]["status"] == "PASS", summary
     assert "the incident" in junit.read_text()
 
@@ -98,12 +107,12 @@ def guarded(pd_factory):
                       prefill_extra_args=RELAX, decode_extra_args=RELAX)
 
 
-def test_probe_passes_the_guarded_deployment(guarded):
+def test_probe_passes_the_guarded_deployment(guarded, release):
     rc, rep, summary = _probe(guarded.router_url, "--timeout", "30",
                               "--only", "over_capacity,prompt_tokens,cross_tenant,prefill_speed")
     checks = _checks(rep)
     assert rc == 0, summary
-    assert rep["discovery"]["limit"] == LIMIT, summary
+    assert rep["discovery"]["limit"] == _limit(release), summary
     for name in ("over_capacity", "prompt_tokens", "cross_tenant"):
         assert checks[name]["status"] == "PASS", summary
     for r in checks["over_capacity"]["measurements"]["requests"]:
@@ -113,15 +122,14 @@ def test_probe_passes_the_guarded_deployment(guarded):
 
 
 def test_pytest_plugin_against_the_guarded_deployment(guarded, pytester):
-    """Last in the module: the at-limit prompt stays queued in prefill (see docstring)."""
+    """The probe's checks as pytest tests; with prefill_admission_fit the at-limit
+    prompt is served, so both pass."""
     args = [f"--kvguard-url={guarded.router_url}", "--kvguard-timeout=10", "-k", "over_capacity or limit_edges",
             "-p", "kvguard_pytest"]
     if any(ep.value == "kvguard_pytest" for ep in md.entry_points(group="pytest11")):
         args = args[:-2]  # the installed distribution registers it already
     res = pytester.runpytest_inprocess(*args)
-    res.assert_outcomes(passed=1, failed=1, deselected=3)
-    out = res.stdout.str()
-    assert f"a prompt of exactly the limit ({LIMIT} tokens) was not served: no answer within 10 s" in out
+    res.assert_outcomes(passed=2, deselected=3)
 
 
 def test_probe_passes_every_check_on_a_correctly_sized_guarded_deployment(pd_factory, guarded):

@@ -365,3 +365,11 @@ def test_plugin_reports_an_unreachable_endpoint_as_failures(pytester):
                                        "--kvguard-timeout=2", "-k", "over_capacity")
     res.assert_outcomes(failed=1, deselected=4)
     assert "endpoint unreachable" in res.stdout.str()
+
+
+def test_total_length_rule_by_release():
+    from sglang_kvguard.tools.probe import _strict_total
+
+    assert _strict_total("0.5.10") and _strict_total("0.5.10.post1")
+    assert not _strict_total("0.5.11") and not _strict_total("0.5.23")
+    assert not _strict_total(None) and not _strict_total("unknown")
