@@ -1,6 +1,7 @@
 """One module per guard. ``GUARDS`` is the order in which they appear everywhere."""
 
 from .admission_drain import AdmissionDrainGuard
+from .decode_admission_fit import DecodeAdmissionFitGuard
 from .decode_deferred_release import DecodeDeferredReleaseGuard
 from .destination_canary import DestinationCanaryGuard
 from .empty_prompt import EmptyPromptGuard
@@ -25,6 +26,7 @@ GUARDS = [
     PrefillSourceHoldGuard,
     DecodeDeferredReleaseGuard,
     PrefillAdmissionFitGuard,
+    DecodeAdmissionFitGuard,
     PoolCapacityGuard,
     EmptyPromptGuard,
 ]

@@ -11,7 +11,9 @@ NEW = Version(RELEASE) >= Version("0.5.21")
 
 
 # every guard that wraps the scheduler constructor, in wrapping order
-SCHEDULER_INIT_GUARDS = ("activation", "pool_capacity_check", "prefill_admission_fit", "prefill_source_hold")
+SCHEDULER_INIT_GUARDS = (
+    "activation", "decode_admission_fit", "pool_capacity_check", "prefill_admission_fit", "prefill_source_hold",
+)
 
 
 def test_install_uninstall_in_process():
