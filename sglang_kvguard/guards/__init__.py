@@ -3,6 +3,7 @@
 from .admission_drain import AdmissionDrainGuard
 from .decode_admission_fit import DecodeAdmissionFitGuard
 from .decode_deferred_release import DecodeDeferredReleaseGuard
+from .decode_rejection_notice import DecodeRejectionNoticeGuard
 from .destination_canary import DestinationCanaryGuard
 from .empty_prompt import EmptyPromptGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
@@ -19,6 +20,7 @@ from .transfer_coverage import TransferCoverageGuard
 GUARDS = [
     AdmissionDrainGuard,
     RejectionNoticeGuard,
+    DecodeRejectionNoticeGuard,
     TransferChecksumGuard,
     DestinationCanaryGuard,
     TransferCoverageGuard,

@@ -59,6 +59,17 @@ STREAM_OUTPUT = target(
 # Called with (queue, req) when kvguard's prefill door drains a request (e.g. the
 # rejection notice to decode); each hook must not raise.
 DOOR_DRAIN_HOOKS: list = []
+# The same for kvguard's decode door, called with (prealloc queue, req) (e.g. the
+# rejection notice to prefill).
+DECODE_DRAIN_HOOKS: list = []
+
+
+def _run_hooks(hooks, queue, req) -> None:
+    for hook in list(hooks):
+        try:
+            hook(queue, req)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("door hook %s failed: %s", getattr(hook, "__name__", hook), exc)
 
 
 def retire(scheduler, req) -> None:
@@ -85,11 +96,7 @@ def _prefill_door(original: Callable) -> Callable:
     def add(self, req, *args, **kwargs):
         if _req.is_unadmitted_reject(req):
             _log_drain("prefill", req)
-            for hook in list(DOOR_DRAIN_HOOKS):
-                try:
-                    hook(self, req)
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("door hook %s failed: %s", getattr(hook, "__name__", hook), exc)
+            _run_hooks(DOOR_DRAIN_HOOKS, self, req)
             retire(self.scheduler, req)
             return None
         return original(self, req, *args, **kwargs)
@@ -103,6 +110,7 @@ def _decode_door(original: Callable) -> Callable:
         is_rebootstrap = kwargs.get("is_rebootstrap", args[1] if len(args) > 1 else False)
         if not is_retracted and not is_rebootstrap and _req.is_unadmitted_reject(req):
             _log_drain("decode", req)
+            _run_hooks(DECODE_DRAIN_HOOKS, self, req)
             retire(self.scheduler, req)
             return None
         return original(self, req, *args, **kwargs)

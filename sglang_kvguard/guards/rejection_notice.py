@@ -36,6 +36,9 @@ from . import _req, admission_drain
 log = logging.getLogger("sglang_kvguard")
 
 MARKER = b"KVGUARD_REJECT/1"
+# Session id of decode_rejection_notice's dummy TransferInfo (decode -> prefill); such
+# an entry in ``transfer_infos`` is not a decode endpoint to notify.
+DECODE_NOTICE_SID = "kvguard-decode-reject/1"
 _BAD_LEN = struct.pack(">I", 0xFFFFFFFF)  # upstream's aux parser drops a length mismatch
 _TTL = 600.0
 
@@ -99,7 +102,8 @@ def _send_notices(kv, room: int, status: int, message: str) -> int:
     import zmq
 
     infos = getattr(kv, "transfer_infos", {}).get(room) or {}
-    targets = {(i.endpoint, int(i.dst_port)) for i in infos.values() if getattr(i, "endpoint", None)}
+    targets = {(i.endpoint, int(i.dst_port)) for i in infos.values()
+               if getattr(i, "endpoint", None) and getattr(i, "mooncake_session_id", None) != DECODE_NOTICE_SID}
     payload = json.dumps({"status": status, "message": message}).encode("utf-8")
     rank = str(getattr(getattr(kv, "kv_args", None), "engine_rank", 0) or 0).encode()
     sent = 0

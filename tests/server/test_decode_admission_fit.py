@@ -10,10 +10,10 @@ tokens are accepted and then never reserved.
   sent after it is still served;
 * guarded (every server-tier release): kvguard's decode_admission_fit lowers decode's
   accepted length to 513, so 512 tokens get 200 and 513 / 600 tokens get upstream's
-  400 with the original message; decode answers at once and keeps nothing. Through
-  sglang-router the client gets that 400 only when prefill gives up waiting for the
-  decode half (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, 300 s by default, 15 s
-  here): nothing tells prefill yet that decode refused the request.
+  400 with the original message; decode answers at once and keeps nothing, and its
+  decode_rejection_notice tells prefill, so the client of sglang-router gets that 400
+  within seconds. Without the notice prefill would wait for the decode half until
+  ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (300 s, the default kept here).
 """
 from __future__ import annotations
 
@@ -45,13 +45,9 @@ def test_unguarded_decode_never_reserves_a_long_prompt(release, pd_factory):
         d.stop()  # free the cores for the guarded trio
 
 
-BOOTSTRAP_TIMEOUT = 15
-
-
 @pytest.fixture(scope="module")
 def guarded(pd_factory):
-    return pd_factory("guarded", launcher="sglang_kvguard.launch_server",
-                      prefill_env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT)}, **GEOMETRY)
+    return pd_factory("guarded", launcher="sglang_kvguard.launch_server", **GEOMETRY)
 
 
 def test_guarded_decode_accepts_only_what_it_can_reserve(guarded):
@@ -68,10 +64,13 @@ def test_guarded_decode_accepts_only_what_it_can_reserve(guarded):
     for n, r in zip(over, results):
         assert r.status == 400, (n, r)
         assert f"Input length ({n} tokens) exceeds the maximum allowed length ({FIT + 1} tokens)" in r.text, r.text
-        # decode refuses at once; the router answers when prefill's bootstrap wait ends
-        assert r.elapsed < BOOTSTRAP_TIMEOUT + 20, r
+        # decode refuses at once and tells prefill, which fails the request at once
+        assert r.elapsed < 10, r
     decode_log = guarded.log_text("decode")  # rejected by decode itself (its door: kvguard's or 0.5.21+ upstream's)
     for n in over:
         assert f"Input length ({n} tokens) exceeds the maximum allowed length ({FIT + 1} tokens)" in decode_log, n
+    prefill_log = guarded.log_text("prefill")
+    assert prefill_log.count("was rejected by decode") >= len(over), prefill_log[-3000:]
+    assert guarded.log_text("decode").count("that decode rejected room") >= len(over)
     after = guarded.generate(prompt_of_tokens(40, vocab=VOCAB, offset=6), max_new_tokens=2, timeout=60)
     assert after.status == 200, after

@@ -1,0 +1,356 @@
+"""Tell prefill, promptly and with the original error, that decode rejected a request.
+
+The mirror of :mod:`rejection_notice`. In PD mode the router sends each request to
+prefill and decode and answers its client when both halves have answered. When
+decode refuses a request at its admission door (an over-length prompt: its own
+validation, or kvguard's decode_admission_fit bound; a client abort before
+bootstrap), decode never registers with prefill, and no release up to 0.5.23 tells
+prefill: prefill's sender waits in ``Bootstrapping`` until
+``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (300 s by default), then answers 500.
+The router's client waits that long for decode's 400 (measured on 0.5.19 with
+kvguard's decode_admission_fit: a 600-token prompt on a 1024-token decode pool).
+
+kvguard, Mooncake backend (design: docs/design/admission-notify.md):
+
+* decode, at the door (kvguard's on 0.5.10-0.5.20, upstream's
+  ``Scheduler.retire_unadmitted_request`` on 0.5.21+): hand the room, the prefill's
+  bootstrap address and the request's own message and status to a background
+  thread (the scheduler thread never blocks). That thread asks prefill's bootstrap
+  server for the prefill ranks (``GET /route``, cached) and sends each one, on a
+  kvguard-owned ZMQ PUSH socket, an 8-frame message shaped like a *dummy*
+  ``TransferInfo`` whose session id is :data:`NOTICE_SID` and whose required info
+  count can never be reached. The original error travels in frame 6, which upstream
+  never reads for a dummy info. A prefill without kvguard stores one inert dummy
+  entry for that room and otherwise ignores it, on every release.
+* prefill: ``TransferInfo.from_zmq`` (called by the Mooncake bootstrap thread) picks
+  the notice up. On the scheduler thread, at the next ``pop_bootstrapped``, the
+  request with that room fails through upstream's own path
+  (``record_failure`` + ``update_status(Failed)`` -> poll ``Failed`` ->
+  ``prepare_abort``), where kvguard substitutes the original message and status
+  (400). The request never reached the waiting queue, so nothing was prefilled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue as queue_mod
+import threading
+import time
+import urllib.request
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..engine.guard import ACTIVE, Decision, Guard
+from ..engine.targets import target
+from . import admission_drain, rejection_notice
+from .prefill_source_hold import POP_BOOTSTRAPPED
+
+log = logging.getLogger("sglang_kvguard")
+
+NOTICE_SID = rejection_notice.DECODE_NOTICE_SID
+NEVER = b"2147483647"  # required_dst_info_num: the room never becomes WaitingForInput
+_TTL = 600.0
+_ROUTE_TTL = 60.0
+_MAX_RANKS = 1024
+_APPLY_GRACE = 1.0  # seconds to wait for the bootstrap thread to store the dummy entry
+
+TRANSFER_INFO_FROM_ZMQ = target(
+    "mooncake.TransferInfo.from_zmq",
+    "sglang.srt.disaggregation.mooncake.conn:TransferInfo.from_zmq",
+    why="prefill: the Mooncake bootstrap thread parses each decode registration here",
+)
+BOOTSTRAP_ADDR = target(
+    "disagg.decode._bootstrap_addr",
+    "sglang.srt.disaggregation.decode:_bootstrap_addr",
+    why="decode: the prefill bootstrap server a request belongs to (read, not patched)",
+)
+_lock = threading.Lock()
+# prefill side: room -> (status, message, time received)
+_notices: Dict[int, Tuple[int, str, float]] = {}
+
+
+# ---------------------------------------------------------------------------
+# wire format
+
+
+def encode(room: int, local_ip: str, rank_port: int, status: int, message: str) -> List[bytes]:
+    """The 8 frames of a decode rejection notice (a dummy TransferInfo to upstream)."""
+    payload = json.dumps({"v": 1, "status": int(status), "message": str(message)}).encode("utf-8")
+    return [str(int(room)).encode("ascii"), str(local_ip).encode("ascii"), str(int(rank_port)).encode("ascii"),
+            NOTICE_SID.encode("ascii"), b"", b"", payload, NEVER]
+
+
+def decode_notice(msg) -> Optional[Tuple[int, int, str]]:
+    """(room, status, message) if ``msg`` is a kvguard decode rejection notice."""
+    if len(msg) != 8 or msg[3] != NOTICE_SID.encode("ascii"):
+        return None
+    data = json.loads(bytes(msg[6]).decode("utf-8"))
+    return int(bytes(msg[0]).decode("ascii")), int(data["status"]), str(data["message"])
+
+
+# ---------------------------------------------------------------------------
+# decode side
+
+
+class _Notifier:
+    """Background thread: resolve prefill ranks over HTTP, send notices over ZMQ."""
+
+    def __init__(self):
+        self.q: "queue_mod.Queue" = queue_mod.Queue()
+        self.routes: Dict[str, Tuple[float, List[Tuple[str, int]], Optional[int], bool]] = {}
+        self.sockets: Dict[Tuple[str, int], object] = {}
+        self.ctx = None
+        self.thread = threading.Thread(target=self._run, name="kvguard-decode-rejection-notice", daemon=True)
+        self.thread.start()
+
+    def submit(self, item) -> None:
+        self.q.put(item)
+
+    def _get(self, addr: str, dp: int, cp: int, tp: int, pp: int) -> Optional[dict]:
+        url = (f"http://{addr}/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}"
+               f"&target_tp_rank={tp}&target_pp_rank={pp}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - the request's own bootstrap server
+                return json.loads(resp.read().decode("utf-8"))
+        except Exception as exc:  # noqa: BLE001
+            log.debug("kvguard decode_rejection_notice: GET %s failed: %s", url, exc)
+            return None
+
+    def ranks(self, addr: str, room: int) -> List[Tuple[str, int]]:
+        cached = self.routes.get(addr)
+        if cached is None or time.monotonic() - cached[0] > _ROUTE_TTL or not cached[1]:
+            info = self._get(addr, -1, -1, -1, -1) or {}
+            dp = int(info.get("dp_size") or 1)
+            cp = int(info.get("attn_cp_size") or 1)
+            tp = int(info.get("attn_tp_size") or 1)
+            pp = int(info.get("pp_size") or 1)
+            follow = bool(info.get("follow_bootstrap_room", True))
+            ranks = []
+            for d in range(dp):
+                for c in range(cp):
+                    for t in range(tp):
+                        for p in range(pp):
+                            if len(ranks) >= _MAX_RANKS:
+                                break
+                            r = self._get(addr, d, c, t, p)
+                            if r and r.get("rank_ip") and r.get("rank_port"):
+                                ranks.append((d, str(r["rank_ip"]), int(r["rank_port"])))
+            cached = (time.monotonic(), ranks, dp, follow)
+            self.routes[addr] = cached
+        _, ranks, dp, follow = cached
+        if follow and dp and dp > 1:
+            # the prefill's own load balancer put the room on this DP rank
+            return [(ip, port) for d, ip, port in ranks if d == room % dp]
+        return [(ip, port) for _d, ip, port in ranks]
+
+    def _socket(self, ip: str, port: int):
+        import zmq
+
+        key = (ip, port)
+        sock = self.sockets.get(key)
+        if sock is None:
+            if self.ctx is None:
+                self.ctx = zmq.Context()
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            host = ip
+            if ":" in ip:
+                sock.setsockopt(zmq.IPV6, 1)
+                host = f"[{ip}]"
+            sock.connect(f"tcp://{host}:{port}")
+            self.sockets[key] = sock
+        return sock
+
+    def send(self, addr: str, frames: List[bytes], room: int) -> int:
+        import zmq
+
+        sent = 0
+        for ip, port in self.ranks(addr, room):
+            try:
+                self._socket(ip, port).send_multipart(frames, flags=zmq.DONTWAIT)
+                sent += 1
+            except Exception as exc:  # noqa: BLE001
+                log.warning("kvguard: could not tell prefill rank %s:%s that decode rejected room %s: %s",
+                            ip, port, room, exc)
+        return sent
+
+    def _run(self) -> None:
+        from .. import metrics
+
+        while True:
+            addr, room, frames, message = self.q.get()
+            try:
+                sent = self.send(addr, frames, room)
+            except Exception as exc:  # noqa: BLE001 - keep the thread alive
+                log.warning("kvguard: decode rejection notice for room %s failed: %s", room, exc)
+                sent = 0
+            if sent:
+                metrics.count("decode_rejection_notices", n=sent)
+                log.info("told %d prefill rank(s) at %s that decode rejected room %s: %s", sent, addr, room, message)
+            else:
+                log.warning("kvguard: no prefill rank at %s could be told that decode rejected room %s; "
+                            "prefill answers after its bootstrap timeout", addr, room)
+
+
+_notifier: Dict[str, _Notifier] = {}
+
+
+def _get_notifier() -> _Notifier:
+    with _lock:
+        n = _notifier.get("n")
+        if n is None or not n.thread.is_alive():
+            n = _notifier["n"] = _Notifier()
+        return n
+
+
+def notify_prefill(prealloc_queue, req) -> bool:
+    """Decode door: queue a notice for the request's prefill; never blocks or raises."""
+    try:
+        from sglang.srt.disaggregation import decode as decode_mod
+        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+        room = getattr(req, "bootstrap_room", None)
+        host = getattr(req, "bootstrap_host", None)
+        if room is None or host is None or host == FAKE_BOOTSTRAP_HOST:
+            return False
+        kv = getattr(prealloc_queue, "kv_manager", None)
+        local_ip, rank_port = getattr(kv, "local_ip", None), getattr(kv, "rank_port", None)
+        if local_ip is None or rank_port is None:
+            return False
+        status, message = rejection_notice._reason(req)
+        addr = decode_mod._bootstrap_addr(req)
+        frames = encode(room, local_ip, rank_port, status, message)
+        _get_notifier().submit((addr, int(room), frames, message))
+        return True
+    except Exception as exc:  # noqa: BLE001 - never break the scheduler thread
+        log.warning("kvguard: could not queue the decode rejection notice: %s", exc)
+        return False
+
+
+def _on_decode_drain(prealloc_queue, req) -> None:
+    notify_prefill(prealloc_queue, req)
+
+
+def _retire_unadmitted(original: Callable) -> Callable:
+    def retire_unadmitted_request(self, req, *args, **kwargs):
+        mode = getattr(self, "disaggregation_mode", None)
+        if str(getattr(mode, "value", mode)) == "decode":
+            notify_prefill(getattr(self, "disagg_decode_prealloc_queue", None), req)
+        return original(self, req, *args, **kwargs)
+
+    return retire_unadmitted_request
+
+
+# ---------------------------------------------------------------------------
+# prefill side
+
+
+def _from_zmq(original: Callable) -> Callable:
+    def from_zmq(cls, msg, *args, **kwargs):
+        try:
+            notice = decode_notice(msg)
+        except Exception as exc:  # noqa: BLE001 - an exception here would kill bootstrap_thread
+            log.warning("kvguard: ignored a malformed decode rejection notice: %s", exc)
+            notice = None
+        if notice is not None:
+            room, status, message = notice
+            with _lock:
+                _notices[room] = (status, message, time.monotonic())
+        return original(cls, msg, *args, **kwargs)
+
+    return from_zmq
+
+
+def _drop_dummy(kv, room: int) -> None:
+    infos = getattr(kv, "transfer_infos", {}).get(room)
+    if infos is not None:
+        infos.pop(NOTICE_SID, None)
+        if not infos:
+            kv.transfer_infos.pop(room, None)
+
+
+def apply_notices(bootstrap_queue) -> int:
+    """Fail, through upstream's path, each queued request decode has rejected."""
+    if not _notices:
+        return 0
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from .. import metrics
+
+    kv = getattr(bootstrap_queue, "kv_manager", None)
+    now = time.monotonic()
+    failed = 0
+    with _lock:
+        for room in [r for r, v in _notices.items() if now - v[2] > _TTL]:
+            _notices.pop(room, None)
+            if kv is not None:
+                _drop_dummy(kv, room)
+        if not _notices or kv is None:
+            return 0
+        for req in list(getattr(bootstrap_queue, "queue", ())):
+            room = getattr(req, "bootstrap_room", None)
+            entry = _notices.get(room)
+            if entry is None or getattr(req, "disagg_kv_sender", None) is None:
+                continue
+            stored = NOTICE_SID in (getattr(kv, "transfer_infos", {}).get(room) or {})
+            if not stored and now - entry[2] < _APPLY_GRACE:
+                continue  # the bootstrap thread is about to store the dummy entry
+            _notices.pop(room, None)
+            _drop_dummy(kv, room)
+            status, message = entry[0], entry[1]
+            with rejection_notice._received_cv:
+                rejection_notice._received[room] = (status, message, now)
+                rejection_notice._received_cv.notify_all()
+            kv.record_failure(room, f"decode rejected the request: {message}")
+            kv.update_status(room, KVPoll.Failed)
+            failed += 1
+            log.warning("request rid=%s room=%s was rejected by decode: %s", getattr(req, "rid", "?"), room, message)
+    if failed:
+        metrics.count("decode_rejections_applied", n=failed)
+    return failed
+
+
+def _pop_bootstrapped(original: Callable) -> Callable:
+    def pop_bootstrapped(self, *args, **kwargs):
+        if _notices:
+            try:
+                apply_notices(self)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("kvguard: applying decode rejection notices failed: %s", exc)
+        return original(self, *args, **kwargs)
+
+    return pop_bootstrapped
+
+
+class DecodeRejectionNoticeGuard(Guard):
+    name = "decode_rejection_notice"
+    protects = "prefill learns at once, with the original error, that decode rejected a request (Mooncake)"
+    targets = (TRANSFER_INFO_FROM_ZMQ, BOOTSTRAP_ADDR, POP_BOOTSTRAPPED, rejection_notice.PREPARE_ABORT,
+               admission_drain.DECODE_DOOR, admission_drain.UPSTREAM_RETIRE)
+
+    def decide(self, ctx) -> Decision:
+        for t in (TRANSFER_INFO_FROM_ZMQ, BOOTSTRAP_ADDR, POP_BOOTSTRAPPED, rejection_notice.PREPARE_ABORT):
+            ctx.require(t.key)
+        patches = [TRANSFER_INFO_FROM_ZMQ.key, POP_BOOTSTRAPPED.key, rejection_notice.PREPARE_ABORT.key]
+        if ctx.has(admission_drain.UPSTREAM_RETIRE.key):
+            ctx.require(admission_drain.UPSTREAM_RETIRE.key)
+            patches.append(admission_drain.UPSTREAM_RETIRE.key)
+            how = "notice sent from upstream's decode door (retire_unadmitted_request)"
+        elif "admission_drain" in ctx.config.disabled:
+            how = "admission_drain is off: no decode door to send from"
+        else:
+            how = "notice sent from kvguard's decode door"
+        return Decision(ACTIVE, how, patches=tuple(patches))
+
+    def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
+        return {
+            TRANSFER_INFO_FROM_ZMQ.key: _from_zmq,
+            POP_BOOTSTRAPPED.key: _pop_bootstrapped,
+            rejection_notice.PREPARE_ABORT.key: rejection_notice._prepare_abort,
+            admission_drain.UPSTREAM_RETIRE.key: _retire_unadmitted,
+        }
+
+    def on_installed(self, ctx) -> None:
+        hooks = admission_drain.DECODE_DRAIN_HOOKS
+        hooks[:] = [h for h in hooks if h is not _on_decode_drain]
+        hooks.append(_on_decode_drain)

@@ -1,0 +1,185 @@
+"""decode_rejection_notice against SGLang's real bootstrap server and TransferInfo.
+
+* the notice's frames, parsed by the real (unpatched) ``TransferInfo.from_zmq``, are an
+  inert dummy registration that can never complete, so a prefill without kvguard is
+  not disturbed;
+* guarded, ``from_zmq`` (what the Mooncake bootstrap thread calls) records the room
+  with decode's original message and status;
+* the decode door hands the notice to the background sender, which finds the prefill
+  ranks through SGLang's real ``CommonKVBootstrapServer`` and reaches each one's ZMQ
+  socket (only the room's own DP rank when prefill follows the bootstrap room).
+
+Failing the prefill request through upstream's poll and abort path needs real
+Mooncake managers: see tests/server/test_decode_admission_fit.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+
+import pytest
+
+os.environ["KVGUARD_AUTO_INSTALL"] = "0"
+
+pytestmark = pytest.mark.component
+
+MESSAGE = "Input length (600 tokens) exceeds the maximum allowed length (513 tokens)."
+
+
+@pytest.fixture
+def kvguard():
+    import sglang_kvguard
+
+    report = sglang_kvguard.install()
+    try:
+        yield report
+    finally:
+        sglang_kvguard.uninstall()
+
+
+def test_an_unguarded_prefill_parses_the_notice_as_an_inert_dummy(sgl):
+    from sglang.srt.disaggregation.mooncake.conn import TransferInfo
+
+    from sglang_kvguard.guards import decode_rejection_notice as drn
+
+    frames = drn.encode(4242, "127.0.0.1", 23456, 400, MESSAGE)
+    assert len(frames) == 8
+    info = TransferInfo.from_zmq(frames)
+    assert info.is_dummy and info.room == 4242
+    assert info.mooncake_session_id == drn.NOTICE_SID
+    assert info.required_dst_info_num == 2**31 - 1  # the room never becomes WaitingForInput
+    assert (info.endpoint, info.dst_port) == ("127.0.0.1", 23456)  # decode's own socket, nothing foreign
+    assert 4242 not in drn._notices
+
+
+def test_guarded_prefill_records_the_notice(sgl, kvguard):
+    from sglang.srt.disaggregation.mooncake.conn import TransferInfo
+
+    from sglang_kvguard.guards import decode_rejection_notice as drn
+
+    assert {g.name: g.state for g in kvguard.guards}["decode_rejection_notice"] == "active"
+    drn._notices.pop(4243, None)
+    info = TransferInfo.from_zmq(drn.encode(4243, "127.0.0.1", 23456, 400, MESSAGE))
+    assert info.is_dummy
+    status, message, _ = drn._notices.pop(4243)
+    assert (status, message) == (400, MESSAGE)
+    # an ordinary registration is untouched
+    real = drn.encode(4244, "127.0.0.1", 23456, 400, MESSAGE)
+    real[3] = b"127.0.0.1:9999"
+    TransferInfo.from_zmq(real)
+    assert 4244 not in drn._notices
+
+
+def _free_port() -> int:
+    from sglang_kvguard.demo.deployment import free_ports
+
+    return free_ports(1)[0]
+
+
+def _register(port: int, *, dp_size: int, dp_rank: int, tp_size: int, tp_rank: int, rank_port: int) -> None:
+    body = dict(attn_tp_size=tp_size, attn_tp_rank=tp_rank, attn_cp_size=1, attn_cp_rank=0,
+                attn_dp_size=dp_size, attn_dp_rank=dp_rank, pp_size=1, pp_rank=0, system_dp_size=1,
+                system_dp_rank=0, rank_ip="127.0.0.1", rank_port=rank_port, page_size=16,
+                kv_cache_dtype="auto", load_balance_method="follow_bootstrap_room")
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/route", data=json.dumps(body).encode(), method="PUT",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 200
+
+
+@pytest.fixture
+def prefill_ranks(sgl):
+    """SGLang's real bootstrap server with 2 DP x 2 TP prefill ranks, each a ZMQ PULL socket."""
+    import zmq
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+
+    port = _free_port()
+    server = CommonKVBootstrapServer("127.0.0.1", port)
+    ctx = zmq.Context()
+    socks = {}
+    try:
+        for _ in range(50):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        for dp in range(2):
+            for tp in range(2):
+                s = ctx.socket(zmq.PULL)
+                s.setsockopt(zmq.LINGER, 0)
+                rank_port = s.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=32000)
+                socks[(dp, tp)] = s
+                _register(port, dp_size=2, dp_rank=dp, tp_size=2, tp_rank=tp, rank_port=rank_port)
+        yield port, socks
+    finally:
+        for s in socks.values():
+            s.close()
+        ctx.term()
+        server.close()
+
+
+def _received(socks, timeout=5.0):
+    import zmq
+
+    got = {}
+    poller = zmq.Poller()
+    for s in socks.values():
+        poller.register(s, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events = dict(poller.poll(100))
+        for key, s in socks.items():
+            if s in events:
+                got[key] = s.recv_multipart()
+        if got and not events:
+            break
+    return got
+
+
+class _Decode:
+    """The two attributes the notice reads from decode's Mooncake manager."""
+
+    local_ip = "127.0.0.1"
+    rank_port = 31999
+
+
+def test_decode_door_notifies_the_rooms_prefill_rank(sgl, make_side, kvguard, prefill_ranks):
+    from sglang.srt.disaggregation.mooncake.conn import TransferInfo
+    from sglang.srt.managers.utils import validate_input_length
+
+    from sglang_kvguard.guards import decode_rejection_notice as drn
+
+    port, socks = prefill_ranks
+    room = 7001  # follow_bootstrap_room: DP rank 7001 % 2 == 1
+    with make_side("decode") as d:
+        req = d.new_req(600, bootstrap_room=room)
+        req.bootstrap_host, req.bootstrap_port = "127.0.0.1", port
+        req.set_finish_with_abort(validate_input_length(req, 513, False))
+        d.prealloc_queue.kv_manager.__dict__.update(local_ip=_Decode.local_ip, rank_port=_Decode.rank_port)
+        d.prealloc_queue.add(req)
+        if sgl.at_least("0.5.21"):
+            # upstream's door hands the request to Scheduler.retire_unadmitted_request, which
+            # kvguard wraps on the real Scheduler class (server tier); call the notice as it does
+            assert d.scheduler.retired_unadmitted == [req]
+            assert drn.notify_prefill(d.prealloc_queue, req)
+        got = _received(socks)
+    assert sorted(got) == [(1, 0), (1, 1)], got  # both TP ranks of DP rank 1, nobody else
+    for frames in got.values():
+        drn._notices.pop(room, None)
+        info = TransferInfo.from_zmq(frames)
+        assert info.is_dummy and info.room == room
+        assert (info.endpoint, info.dst_port) == (_Decode.local_ip, _Decode.rank_port)
+        status, message, _ = drn._notices.pop(room)
+        assert status == 400 and "Input length (600 tokens)" in message
+
+
+def test_no_notice_without_a_real_bootstrap_host(sgl, make_side, kvguard):
+    from sglang_kvguard.guards import decode_rejection_notice as drn
+
+    with make_side("decode") as d:
+        req = d.new_req(600, bootstrap_room=7002)  # the harness's warm-up host (FAKE_BOOTSTRAP_HOST)
+        assert drn.notify_prefill(d.prealloc_queue, req) is False
