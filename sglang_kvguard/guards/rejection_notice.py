@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import json
 import logging
+import queue as queue_mod
 import struct
 import threading
 import time
+import urllib.request
 from typing import Callable, Dict, Tuple
 
 from ..engine.guard import ACTIVE, Decision, Guard
@@ -132,11 +134,68 @@ def _prune(table: dict) -> None:
         table.pop(k, None)
 
 
-def note_prefill_rejection(kv, req) -> None:
+_dp_jobs: "queue_mod.Queue" = queue_mod.Queue()
+_dp_worker: Dict[str, threading.Thread] = {}
+
+
+def _post_dp_ranks() -> None:
+    while True:
+        url, payload = _dp_jobs.get()
+        try:
+            req = urllib.request.Request(url, data=json.dumps(payload).encode("utf-8"), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - this node's own bootstrap server
+                resp.read()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("kvguard: could not register the DP rank of rejected room %s at %s: %s",
+                        payload.get("bootstrap_room"), url, exc)
+
+
+def register_dp_rank(bootstrap_queue, req) -> bool:
+    """Tell the bootstrap server which DP rank holds a rejected room, as a sender would.
+
+    With data parallelism and a load balancer other than ``follow_bootstrap_room``,
+    decode learns a room's prefill DP rank only from ``/query_dp_ranks``, which the
+    room's *sender* fills (``CommonKVSender._register_prefill_dp_rank``, every release).
+    A request rejected at the door has no sender, so decode would keep asking, with no
+    timeout, and never register: the notice could never reach it. kvguard posts the
+    same registration (off the scheduler thread); decode then registers, and the
+    ``update_status(WaitingForInput)`` hook sends the notice.
+    """
+    kv = getattr(bootstrap_queue, "kv_manager", None)
+    args = getattr(kv, "server_args", None)
+    if args is None or int(getattr(args, "dp_size", 1) or 1) <= 1:
+        return False
+    if getattr(req, "disagg_prefill_dp_rank", None) is not None:
+        return False  # decode was told the DP rank by the router
+    host, port = getattr(req, "bootstrap_host", None), getattr(bootstrap_queue, "bootstrap_port", None)
+    room = getattr(req, "bootstrap_room", None)
+    if host is None or port is None or room is None:
+        return False
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    if host == FAKE_BOOTSTRAP_HOST:
+        return False
+    addr = f"[{host}]:{int(port)}" if ":" in str(host) else f"{host}:{int(port)}"
+    with _lock:
+        if not (_dp_worker.get("t") and _dp_worker["t"].is_alive()):
+            _dp_worker["t"] = threading.Thread(target=_post_dp_ranks, name="kvguard-register-dp-rank", daemon=True)
+            _dp_worker["t"].start()
+    _dp_jobs.put((f"http://{addr}/register_dp_rank",
+                  {"bootstrap_room": int(room), "dp_rank": int(getattr(kv, "attn_dp_rank", 0) or 0)}))
+    return True
+
+
+def note_prefill_rejection(kv, req, bootstrap_queue=None) -> None:
     """Prefill door: remember the room and tell decode now if it already registered."""
     room = getattr(req, "bootstrap_room", None)
     if kv is None or room is None:
         return
+    if bootstrap_queue is not None:
+        try:
+            register_dp_rank(bootstrap_queue, req)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("kvguard: DP rank registration for rejected room %s failed: %s", room, exc)
     status, message = _reason(req)
     with _lock:
         pending = kv.__dict__.setdefault("_kvguard_rejected", {})
@@ -148,7 +207,7 @@ def note_prefill_rejection(kv, req) -> None:
 
 
 def _on_door_drain(queue, req) -> None:
-    note_prefill_rejection(getattr(queue, "kv_manager", None), req)
+    note_prefill_rejection(getattr(queue, "kv_manager", None), req, queue)
 
 
 def _update_status(original: Callable) -> Callable:
@@ -211,7 +270,7 @@ def _check_capacity(original: Callable) -> Callable:
         rejected = original(self, req, *args, **kwargs)
         if rejected:
             try:
-                note_prefill_rejection(getattr(self, "kv_manager", None), req)
+                note_prefill_rejection(getattr(self, "kv_manager", None), req, self)
             except Exception as exc:  # noqa: BLE001
                 log.warning("rejection notice failed: %s", exc)
         return rejected
@@ -224,7 +283,7 @@ def _retire_unadmitted(original: Callable) -> Callable:
         try:
             queue = getattr(self, "disagg_prefill_bootstrap_queue", None)
             if queue is not None:
-                note_prefill_rejection(getattr(queue, "kv_manager", None), req)
+                note_prefill_rejection(getattr(queue, "kv_manager", None), req, queue)
         except Exception as exc:  # noqa: BLE001
             log.warning("rejection notice failed: %s", exc)
         return original(self, req, *args, **kwargs)

@@ -68,3 +68,71 @@ def test_admitted_request_leaves_nothing_behind(sgl, make_side, kvguard):
         req = p.new_req(40, bootstrap_room=88003)
         p.bootstrap_queue.add(req, p.kv_pool.head_num)
         assert 88003 not in _pending(p)
+
+
+@pytest.fixture
+def bootstrap_server(sgl):
+    """SGLang's real bootstrap server (no ranks registered: only the DP-rank table is used)."""
+    import time
+    import urllib.request
+
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+
+    from sglang_kvguard.demo.deployment import free_ports
+
+    port = free_ports(1)[0]
+    server = CommonKVBootstrapServer("127.0.0.1", port)
+    for _ in range(50):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+            break
+        except OSError:
+            time.sleep(0.1)
+    try:
+        yield port
+    finally:
+        server.close()
+
+
+def _dp_rank_of(port, room, timeout=5.0):
+    import time
+
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = CommonKVReceiver.query_prefill_dp_ranks(f"127.0.0.1:{port}", [room])
+        if str(room) in got or room in got:
+            return got.get(str(room), got.get(room))
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["unguarded", "guarded"])
+def test_rejected_room_gets_its_dp_rank_registered(sgl, make_side, bootstrap_server, guarded, request):
+    """Prefill with DP 2 and a load balancer other than follow_bootstrap_room: decode
+    learns a room's DP rank only from /query_dp_ranks, which upstream fills from the
+    room's sender. A request rejected before a sender exists is never registered
+    (decode would keep asking forever); kvguard registers it, as the sender would."""
+    import types
+
+    import sglang_kvguard
+
+    if guarded:
+        sglang_kvguard.install()
+        request.addfinalizer(sglang_kvguard.uninstall)
+    room = 88010
+    with make_side("prefill", num_tokens=512) as p:
+        q = p.bootstrap_queue
+        q.bootstrap_port = bootstrap_server
+        q.kv_manager.__dict__.update(
+            server_args=types.SimpleNamespace(dp_size=2, load_balance_method="round_robin"), attn_dp_rank=1)
+        req = p.new_req(700, bootstrap_room=room)
+        req.bootstrap_host = "127.0.0.1"
+        q.add(req, p.kv_pool.head_num)  # upstream's own capacity check rejects it (400), every release
+        assert getattr(req, "disagg_kv_sender", None) is None
+        assert req.finished_reason.status_code == 400
+    if guarded:
+        assert _dp_rank_of(bootstrap_server, room) == 1
+    else:
+        assert _dp_rank_of(bootstrap_server, room, timeout=1.0) is None
