@@ -1,0 +1,220 @@
+"""A hypothesis stateful model of prefill page ownership, run against SGLang's real
+paged allocator, FastQueue and TransferKVChunk with kvguard's prefill_source_hold.
+
+Steps: allocate a request's pages; queue a transfer chunk of a request's pages; the
+transfer worker takes the next chunk (finishing the previous one) or goes idle; a
+request ends (completion, abort or timeout at any phase: the scheduler frees its
+pages, whatever the transfer is doing); the scheduler thread releases drained pages;
+the quarantine bound passes. After every step:
+
+* no page belongs to two live requests, and a new allocation never returns a page a
+  live request owns or a queued / in-flight transfer still reads;
+* no page is in the allocator's free list while a transfer references it;
+* free pages + pages of live requests + pages kvguard holds == the pool;
+* when everything has ended and drained, every page is free again (held and
+  quarantined pages come back once their transfer drains).
+
+Run without kvguard, the same model finds the hazard (a freed in-flight page in the
+free list, or handed to the next request).
+
+Not modelled yet (issue 3): prefix sharing through the radix cache, per-page
+generation tags, the decode side.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+
+os.environ["KVGUARD_AUTO_INSTALL"] = "0"
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test  # noqa: E402
+
+pytestmark = pytest.mark.component
+
+PAGE = 16
+SEEN = {"diverted": 0, "quarantined": 0, "released_from_quarantine": 0}
+POOL_TOKENS = 256  # 16 pages
+
+
+def _chunk(room: int, page_ids):
+    try:
+        from sglang.srt.disaggregation.common.utils import TransferKVChunk
+    except ImportError:  # 0.5.10-0.5.12
+        from sglang.srt.disaggregation.mooncake.conn import TransferKVChunk
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(TransferKVChunk)}
+    kw = dict(room=room, prefill_kv_indices=np.asarray(page_ids, dtype=np.int32),
+              index_slice=slice(0, len(page_ids)), is_last_chunk=True, prefill_aux_index=0, state_indices=None)
+    return TransferKVChunk(**{k: v for k, v in kw.items() if k in fields})
+
+
+def _free_page_ids(allocator) -> list:
+    ids = []
+    for name in ("free_pages", "release_pages"):
+        t = getattr(allocator, name, None)
+        if t is not None:
+            ids.extend(int(x) for x in t.tolist())
+    return ids
+
+
+def _machine(make_side, guarded: bool):
+    from sglang.srt.disaggregation.common.utils import FastQueue
+
+    from sglang_kvguard.guards import prefill_source_hold as g
+
+    class PageOwnership(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self._ctx = make_side("prefill", num_tokens=POOL_TOKENS, page_size=PAGE)
+            self.side = self._ctx.__enter__()
+            self.alloc = self.side.allocator
+            self.total_pages = len(_free_page_ids(self.alloc))
+            self.initial_available = self.alloc.available_size()
+            from sglang_kvguard.page_hold import HOLDS
+
+            HOLDS.clear()  # one fresh hold per example, as per scheduler process
+            self.hold = g.bind_allocator(self.alloc, 300.0)
+            manager = type("Manager", (), {})()
+            manager.transfer_queues = [FastQueue()]
+            self.queue = g._proxy_for(manager, manager.transfer_queues[0])
+            self.queue.consumer_wrapped = True  # what kvguard's transfer_worker wrapper does
+            self.live = {}  # rid -> (tokens, pages)
+            self.queued = deque()  # (rid, pages) waiting for the worker
+            self.inflight = None  # (rid, pages) the worker is sending
+            self.next_rid = 1
+
+        # -- helpers
+        def referenced(self) -> set:
+            refs = set()
+            for _rid, pages in self.queued:
+                refs.update(pages)
+            if self.inflight is not None:
+                refs.update(self.inflight[1])
+            return refs
+
+        def live_pages(self) -> set:
+            out = set()
+            for _t, pages in self.live.values():
+                out.update(pages)
+            return out
+
+        # -- rules
+        @rule(n=st.integers(1, 4))
+        def allocate(self, n):
+            tokens = self.alloc.alloc(n * PAGE)
+            if tokens is None:
+                return
+            pages = sorted({int(t) // PAGE for t in tokens.tolist()})
+            assert not set(pages) & self.live_pages(), f"pages {pages} handed to two live requests"
+            assert not set(pages) & self.referenced(), f"pages {pages} handed out while a transfer reads them"
+            self.live[self.next_rid] = (tokens, pages)
+            self.next_rid += 1
+
+        @precondition(lambda self: self.live)
+        @rule(data=st.data())
+        def queue_transfer(self, data):
+            rid = data.draw(st.sampled_from(sorted(self.live)))
+            pages = self.live[rid][1]
+            self.queue.put(_chunk(rid, pages))
+            self.queued.append((rid, pages))
+
+        @rule()
+        def worker_step(self):
+            if self.queued:
+                item = self.queue.get()  # finishes the previous chunk, takes the next
+                rid, pages = self.queued.popleft()
+                assert item.room == rid
+                self.inflight = (rid, pages)
+            elif self.inflight is not None:
+                self.queue.finish_current()  # done, queue empty: the worker idles
+                self.inflight = None
+
+        @precondition(lambda self: self.live)
+        @rule(data=st.data())
+        def request_ends(self, data):
+            rid = data.draw(st.sampled_from(sorted(self.live)))
+            tokens, _pages = self.live.pop(rid)
+            self.alloc.free(tokens)
+
+        @rule()
+        def scheduler_step(self):
+            if guarded:
+                g.release_drained(self.alloc)
+
+        @rule()
+        def quarantine_bound_passes(self):
+            self.hold.sweep(now=time.monotonic() + 10_000)
+
+        # -- invariants
+        @invariant()
+        def no_freed_page_is_still_referenced(self):
+            free = set(_free_page_ids(self.alloc))
+            assert not free & self.referenced(), f"free list holds pages a transfer reads: {sorted(free & self.referenced())}"
+            assert not free & self.live_pages()
+
+        @invariant()
+        def pages_add_up(self):
+            free = len(_free_page_ids(self.alloc))
+            assert free + len(self.live_pages()) + self.hold.held_pages() == self.total_pages
+
+        def teardown(self):
+            for key in SEEN:
+                SEEN[key] += self.hold.stats.get(key, 0)
+            try:
+                if guarded:
+                    while self.queued:
+                        self.queue.get()
+                        self.queued.popleft()
+                    self.queue.finish_current()
+                    self.inflight = None
+                    for tokens, _pages in self.live.values():
+                        self.alloc.free(tokens)
+                    self.live.clear()
+                    g.release_drained(self.alloc)
+                    assert self.hold.held_pages() == 0 and self.hold.quarantined_pages() == 0
+                    assert self.alloc.available_size() == self.initial_available
+            finally:
+                self._ctx.__exit__(None, None, None)
+
+    return PageOwnership
+
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None, derandomize=True,
+                    suppress_health_check=list(HealthCheck))
+
+
+def test_page_ownership_model_holds_with_kvguard(make_side):
+    import sglang_kvguard
+    from sglang_kvguard.page_hold import HOLDS
+
+    report = sglang_kvguard.install()
+    try:
+        assert {x.name: x.state for x in report.guards}["prefill_source_hold"] == "active"
+        for key in SEEN:
+            SEEN[key] = 0
+        run_state_machine_as_test(_machine(make_side, guarded=True), settings=SETTINGS)
+        # the model did reach the states that matter: frees of pages in flight were
+        # diverted, held pages were quarantined, and quarantined pages came back
+        assert SEEN["diverted"] > 0 and SEEN["quarantined"] > 0 and SEEN["released_from_quarantine"] > 0, SEEN
+    finally:
+        sglang_kvguard.uninstall()
+        HOLDS.clear()
+
+
+def test_page_ownership_model_finds_the_hazard_without_kvguard(make_side):
+    from sglang_kvguard.page_hold import HOLDS
+
+    try:
+        with pytest.raises(AssertionError, match="transfer reads"):
+            run_state_machine_as_test(_machine(make_side, guarded=False), settings=SETTINGS)
+    finally:
+        HOLDS.clear()
