@@ -274,7 +274,9 @@ def _paged_free(original: Callable) -> Callable:
         _flush(self, hold, lambda pages: original(self, pages * ps))
         if free_index.numel() == 0:
             return original(self, free_index, *args, **kwargs)
-        pages = free_index // ps
+        import torch
+
+        pages = torch.unique(free_index // ps)  # what upstream frees; checks pages, not tokens
         keep_pages = hold.divert(pages)
         if keep_pages is pages:
             return original(self, free_index, *args, **kwargs)
