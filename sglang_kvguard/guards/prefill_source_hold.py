@@ -85,6 +85,26 @@ TOKEN_FREE = target(
     "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator.free",
     why="token allocator (page size 1) free sink",
 )
+PAGED_ALLOC = target(
+    "allocator.PagedTokenToKVPoolAllocator.alloc",
+    "sglang.srt.mem_cache.allocator:PagedTokenToKVPoolAllocator.alloc",
+    "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.alloc",
+    why="paged allocator: a failed allocation waits for held pages to drain",
+)
+PAGED_ALLOC_EXTEND = target(
+    "allocator.PagedTokenToKVPoolAllocator.alloc_extend",
+    "sglang.srt.mem_cache.allocator:PagedTokenToKVPoolAllocator.alloc_extend",
+    "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.alloc_extend",
+    why="paged allocator (prefill extend): a failed allocation waits for held pages to drain",
+)
+TOKEN_ALLOC = target(
+    "allocator.TokenToKVPoolAllocator.alloc",
+    "sglang.srt.mem_cache.allocator:TokenToKVPoolAllocator.alloc",
+    "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator.alloc",
+    why="token allocator: a failed allocation waits for held pages to drain",
+)
+ALLOC_WAIT = 5.0  # seconds a failed allocation waits for held pages' transfers to drain
+
 POP_BOOTSTRAPPED = target(
     "disagg.prefill.PrefillBootstrapQueue.pop_bootstrapped",
     "sglang.srt.disaggregation.prefill:PrefillBootstrapQueue.pop_bootstrapped",
@@ -349,6 +369,50 @@ def release_drained(alloc) -> int:
     return n
 
 
+def _alloc_waits_for_held_pages(original: Callable) -> Callable:
+    """A failed allocation retries once held pages have drained (bounded wait).
+
+    The scheduler budgets admission with the allocator's free pages plus the radix
+    cache's evictable ones. A page evicted (or freed) while a transfer still reads it
+    is held by kvguard instead of returning to the free list, so the allocation that
+    follows the eviction can come up short, and upstream turns that into a fatal
+    "Prefill out of memory". Found on 0.5.23 with aborts during transfers
+    (tests/server/test_abort_phases.py). The transfer of one chunk drains within
+    milliseconds normally, so on failure this waits (up to ``ALLOC_WAIT``) for held
+    pages to drain, gives them back and retries. Costs nothing on success."""
+
+    def alloc(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if out is not None:
+            return out
+        hold = hold_for_allocator(self)
+        if hold is None or not hold.held_pages():
+            return out
+        deadline = time.monotonic() + ALLOC_WAIT
+        waited = False
+        while True:
+            if release_drained(self):
+                out = original(self, *args, **kwargs)
+                if out is not None:
+                    from .. import metrics
+
+                    metrics.count("alloc_waited_for_held_pages")
+                    if waited:
+                        log.info("kvguard prefill_source_hold: an allocation waited for held pages to drain")
+                    return out
+            if not hold.held_pages() or time.monotonic() > deadline:
+                if hold.held_pages():
+                    log.error(
+                        "kvguard prefill_source_hold: an allocation failed while %d page(s) are held for "
+                        "transfers that have not drained within %.0f s", hold.held_pages(), ALLOC_WAIT,
+                    )
+                return out
+            waited = True
+            time.sleep(0.002)
+
+    return alloc
+
+
 _last_sweep = {"t": 0.0}
 
 
@@ -428,11 +492,12 @@ class PrefillSourceHoldGuard(Guard):
     protects = "prefill source pages are never freed while a Mooncake transfer may still read them"
     targets = (
         SCHEDULER_INIT, TRANSFER_WORKER, ADD_TRANSFER, PAGED_FREE, PAGED_RELEASE, TOKEN_FREE,
-        POP_BOOTSTRAPPED, HELD_MIXIN, HELD_OBSERVER,
+        POP_BOOTSTRAPPED, HELD_MIXIN, HELD_OBSERVER, PAGED_ALLOC, PAGED_ALLOC_EXTEND, TOKEN_ALLOC,
     )
 
     def decide(self, ctx) -> Decision:
-        patches = [SCHEDULER_INIT.key, TRANSFER_WORKER.key, ADD_TRANSFER.key, TOKEN_FREE.key, POP_BOOTSTRAPPED.key]
+        patches = [SCHEDULER_INIT.key, TRANSFER_WORKER.key, ADD_TRANSFER.key, TOKEN_FREE.key, POP_BOOTSTRAPPED.key,
+                   PAGED_ALLOC.key, PAGED_ALLOC_EXTEND.key, TOKEN_ALLOC.key]
         patches.append(PAGED_RELEASE.key if ctx.has(PAGED_RELEASE.key) else PAGED_FREE.key)
         patches.append(HELD_OBSERVER.key if ctx.has(HELD_OBSERVER.key) else HELD_MIXIN.key)
         for key in patches:
@@ -452,4 +517,7 @@ class PrefillSourceHoldGuard(Guard):
             POP_BOOTSTRAPPED.key: _pop_bootstrapped,
             HELD_MIXIN.key: _held_tokens,
             HELD_OBSERVER.key: _held_tokens,
+            PAGED_ALLOC.key: _alloc_waits_for_held_pages,
+            PAGED_ALLOC_EXTEND.key: _alloc_waits_for_held_pages,
+            TOKEN_ALLOC.key: _alloc_waits_for_held_pages,
         }

@@ -196,7 +196,10 @@ def test_page_ownership_model_holds_with_kvguard(make_side):
     import sglang_kvguard
     from sglang_kvguard.page_hold import HOLDS
 
+    from sglang_kvguard.guards import prefill_source_hold as g
+
     report = sglang_kvguard.install()
+    wait, g.ALLOC_WAIT = g.ALLOC_WAIT, 0.0  # one thread plays the worker too: a failed alloc must not wait
     try:
         assert {x.name: x.state for x in report.guards}["prefill_source_hold"] == "active"
         for key in SEEN:
@@ -206,6 +209,7 @@ def test_page_ownership_model_holds_with_kvguard(make_side):
         # diverted, held pages were quarantined, and quarantined pages came back
         assert SEEN["diverted"] > 0 and SEEN["quarantined"] > 0 and SEEN["released_from_quarantine"] > 0, SEEN
     finally:
+        g.ALLOC_WAIT = wait
         sglang_kvguard.uninstall()
         HOLDS.clear()
 

@@ -236,3 +236,54 @@ def test_queues_wrapped_before_the_allocator_is_bound_pin_once_a_worker_consumes
         queue.finish_current()
         assert hold.snapshot()["pinned"] == 0
         p.allocator.free(a)
+
+
+def test_a_failed_allocation_waits_for_held_pages_to_drain(make_side, guarded):
+    """The scheduler budgets with free + evictable pages; a page evicted while a
+    transfer reads it is held, so the allocation right after can come up short (on
+    0.5.23 with aborts during transfers this became a fatal "Prefill out of memory").
+    A failed allocation waits, bounded, for held pages to drain and retries."""
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p)
+        a = p.allocator.alloc(4 * PAGE)
+        rest = p.allocator.alloc(p.allocator.available_size())
+        queue.put(_chunk(7005, _pages(a)))
+        sending, drain = threading.Event(), threading.Event()
+
+        def worker():  # SGLang's transfer worker thread
+            assert queue.get().room == 7005
+            sending.set()
+            drain.wait(10)
+            queue.finish_current()  # the chunk is done
+
+        t = threading.Thread(target=worker, daemon=True)
+        t.start()
+        assert sending.wait(5)
+        p.allocator.free(a)  # evicted / aborted while being sent: held
+        assert hold.held_pages() == 4
+        timer = threading.Timer(0.2, drain.set)  # the transfer drains 0.2 s later
+        timer.start()
+        import time
+
+        t0 = time.monotonic()
+        b = p.allocator.alloc(4 * PAGE)
+        waited = time.monotonic() - t0
+        timer.join()
+        t.join(5)
+        assert b is not None and _pages(b) == _pages(a), "the allocation should succeed once the pages drained"
+        assert 0.15 <= waited < g.ALLOC_WAIT, waited
+        assert hold.held_pages() == 0
+        p.allocator.free(b)
+        p.allocator.free(rest)
+
+
+def test_a_failed_allocation_without_held_pages_fails_at_once(make_side, guarded):
+    import time
+
+    with make_side("prefill", num_tokens=256) as p:
+        _setup(p)
+        rest = p.allocator.alloc(p.allocator.available_size())
+        t0 = time.monotonic()
+        assert p.allocator.alloc(PAGE) is None
+        assert time.monotonic() - t0 < 0.1
+        p.allocator.free(rest)
