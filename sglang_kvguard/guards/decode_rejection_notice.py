@@ -151,14 +151,7 @@ class _Notifier:
         if sock is None:
             if self.ctx is None:
                 self.ctx = zmq.Context()
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            host = ip
-            if ":" in ip:
-                sock.setsockopt(zmq.IPV6, 1)
-                host = f"[{ip}]"
-            sock.connect(f"tcp://{host}:{port}")
-            self.sockets[key] = sock
+            sock = self.sockets[key] = rejection_notice.push_socket(self.ctx, ip, port)
         return sock
 
     def send(self, addr: str, frames: List[bytes], room: int) -> int:

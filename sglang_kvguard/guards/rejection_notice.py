@@ -81,6 +81,22 @@ def _reason(req) -> Tuple[int, str]:
     return int(status), str(getattr(r, "message", None) or "request rejected by prefill")
 
 
+def push_socket(ctx, endpoint: str, port: int):
+    """A kvguard-owned ZMQ PUSH socket to ``endpoint:port`` (IPv4 or IPv6), LINGER 0.
+
+    Never shared with upstream's sockets; each caller keeps its own per thread."""
+    import zmq
+
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    host = endpoint
+    if ":" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
+        host = f"[{endpoint}]"
+    sock.connect(f"tcp://{host}:{int(port)}")
+    return sock
+
+
 def _socket(endpoint: str, port: int):
     import zmq
 
@@ -89,13 +105,7 @@ def _socket(endpoint: str, port: int):
     if sock is None:
         if _zmq_ctx["ctx"] is None:
             _zmq_ctx["ctx"] = zmq.Context()
-        sock = _zmq_ctx["ctx"].socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        host = f"[{endpoint}]" if ":" in endpoint else endpoint
-        if ":" in endpoint:
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(f"tcp://{host}:{int(port)}")
-        _sockets[key] = sock
+        sock = _sockets[key] = push_socket(_zmq_ctx["ctx"], endpoint, port)
     return sock
 
 

@@ -763,6 +763,26 @@ def _stage_metrics():
 # --------------------------------------------------------------------------------
 # releasing
 # --------------------------------------------------------------------------------
+def transfer_chunk(room: int, page_ids):
+    """A real ``TransferKVChunk`` sending ``page_ids`` (the whole chunk, last of its room)."""
+    try:
+        from sglang.srt.disaggregation.common.utils import TransferKVChunk
+    except ImportError:  # 0.5.10-0.5.12
+        from sglang.srt.disaggregation.mooncake.conn import TransferKVChunk
+    import numpy as np
+
+    fields = {f.name for f in dataclasses.fields(TransferKVChunk)}
+    kw = dict(
+        room=room,
+        prefill_kv_indices=np.asarray(page_ids, dtype=np.int32),
+        index_slice=slice(0, len(page_ids)),
+        is_last_chunk=True,
+        prefill_aux_index=0,
+        state_indices=None,
+    )
+    return TransferKVChunk(**{k: v for k, v in kw.items() if k in fields})
+
+
 def release_req_kv(req, tree_cache):
     """Give a request's KV back the way decode's abort path does: SGLang's own
     ``release_kv_cache`` without inserting into the radix tree

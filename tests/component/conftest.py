@@ -139,3 +139,39 @@ def prefill_side(make_side):
 def decode_side(make_side):
     with make_side("decode") as side:
         yield side
+
+
+@pytest.fixture
+def kvguard():
+    """kvguard installed on the real SGLang classes for one test (yields the report)."""
+    import sglang_kvguard
+
+    report = sglang_kvguard.install()
+    try:
+        yield report
+    finally:
+        sglang_kvguard.uninstall()
+
+
+@pytest.fixture
+def bootstrap_server(sgl):
+    """SGLang's real ``CommonKVBootstrapServer`` on a free loopback port; yields the port."""
+    import time
+    import urllib.request
+
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+
+    from sglang_kvguard.demo.deployment import free_ports
+
+    port = free_ports(1)[0]
+    server = CommonKVBootstrapServer("127.0.0.1", port)
+    for _ in range(50):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+            break
+        except OSError:
+            time.sleep(0.1)
+    try:
+        yield port
+    finally:
+        server.close()

@@ -21,17 +21,6 @@ pytestmark = pytest.mark.component
 LIMIT = 250  # the prefill limit of the incident test geometry
 
 
-@pytest.fixture
-def kvguard():
-    import sglang_kvguard
-
-    report = sglang_kvguard.install()
-    try:
-        yield report
-    finally:
-        sglang_kvguard.uninstall()
-
-
 def _upstream_doors(sgl):
     return sgl.at_least("0.5.21")
 

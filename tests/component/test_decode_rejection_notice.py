@@ -29,17 +29,6 @@ pytestmark = pytest.mark.component
 MESSAGE = "Input length (600 tokens) exceeds the maximum allowed length (513 tokens)."
 
 
-@pytest.fixture
-def kvguard():
-    import sglang_kvguard
-
-    report = sglang_kvguard.install()
-    try:
-        yield report
-    finally:
-        sglang_kvguard.uninstall()
-
-
 def test_an_unguarded_prefill_parses_the_notice_as_an_inert_dummy(sgl):
     from sglang.srt.disaggregation.mooncake.conn import TransferInfo
 
@@ -73,12 +62,6 @@ def test_guarded_prefill_records_the_notice(sgl, kvguard):
     assert 4244 not in drn._notices
 
 
-def _free_port() -> int:
-    from sglang_kvguard.demo.deployment import free_ports
-
-    return free_ports(1)[0]
-
-
 def _register(port: int, *, dp_size: int, dp_rank: int, tp_size: int, tp_rank: int, rank_port: int) -> None:
     body = dict(attn_tp_size=tp_size, attn_tp_rank=tp_rank, attn_cp_size=1, attn_cp_rank=0,
                 attn_dp_size=dp_size, attn_dp_rank=dp_rank, pp_size=1, pp_rank=0, system_dp_size=1,
@@ -91,22 +74,14 @@ def _register(port: int, *, dp_size: int, dp_rank: int, tp_size: int, tp_rank: i
 
 
 @pytest.fixture
-def prefill_ranks(sgl):
-    """SGLang's real bootstrap server with 2 DP x 2 TP prefill ranks, each a ZMQ PULL socket."""
+def prefill_ranks(bootstrap_server):
+    """The real bootstrap server with 2 DP x 2 TP prefill ranks, each a ZMQ PULL socket."""
     import zmq
-    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
-    port = _free_port()
-    server = CommonKVBootstrapServer("127.0.0.1", port)
+    port = bootstrap_server
     ctx = zmq.Context()
     socks = {}
     try:
-        for _ in range(50):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
         for dp in range(2):
             for tp in range(2):
                 s = ctx.socket(zmq.PULL)
@@ -119,7 +94,6 @@ def prefill_ranks(sgl):
         for s in socks.values():
             s.close()
         ctx.term()
-        server.close()
 
 
 def _received(socks, timeout=5.0):

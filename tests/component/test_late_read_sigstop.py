@@ -38,6 +38,8 @@ os.environ["KVGUARD_AUTO_INSTALL"] = "0"
 
 pytestmark = pytest.mark.component
 
+transfer_chunk = pytest.importorskip("_sglang_components").transfer_chunk  # needs torch + SGLang
+
 PAGE = 16
 A_BYTE, B_BYTE = 0x11, 0x22
 TOTAL = 64 << 20  # bytes sent for A: far more than loopback TCP buffers hold
@@ -73,19 +75,6 @@ def _peer(pair, cmd):
     pair.peer.stdin.write(cmd + "\n")
     pair.peer.stdin.flush()
     assert pair.peer.stdout.readline().strip() == "ok"
-
-
-def _chunk(room: int, page_ids):
-    try:
-        from sglang.srt.disaggregation.common.utils import TransferKVChunk
-    except ImportError:  # 0.5.10-0.5.12
-        from sglang.srt.disaggregation.mooncake.conn import TransferKVChunk
-    import dataclasses
-
-    fields = {f.name for f in dataclasses.fields(TransferKVChunk)}
-    kw = dict(room=room, prefill_kv_indices=np.asarray(page_ids, dtype=np.int32),
-              index_slice=slice(0, len(page_ids)), is_last_chunk=True, prefill_aux_index=0, state_indices=None)
-    return TransferKVChunk(**{k: v for k, v in kw.items() if k in fields})
 
 
 def _pages(tokens):
@@ -131,7 +120,7 @@ def _late_read_scenario(side, pair, queue):
     os.kill(pair.peer.pid, signal.SIGSTOP)
     t = threading.Thread(target=worker, daemon=True)
     try:
-        queue.put(_chunk(9001, a_pages))
+        queue.put(transfer_chunk(9001, a_pages))
         t.start()
         time.sleep(1.5)
         assert t.is_alive(), "the transfer did not block on the frozen peer"

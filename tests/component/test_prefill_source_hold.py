@@ -22,12 +22,13 @@ import concurrent.futures
 import os
 import threading
 
-import numpy as np
 import pytest
 
 os.environ["KVGUARD_AUTO_INSTALL"] = "0"
 
 pytestmark = pytest.mark.component
+
+transfer_chunk = pytest.importorskip("_sglang_components").transfer_chunk  # needs torch + SGLang
 
 PAGE = 16
 
@@ -36,25 +37,6 @@ def _fast_queue():
     from sglang.srt.disaggregation.common.utils import FastQueue
 
     return FastQueue()
-
-
-def _chunk(room: int, page_ids):
-    try:
-        from sglang.srt.disaggregation.common.utils import TransferKVChunk
-    except ImportError:  # 0.5.10-0.5.12
-        from sglang.srt.disaggregation.mooncake.conn import TransferKVChunk
-    import dataclasses
-
-    fields = {f.name for f in dataclasses.fields(TransferKVChunk)}
-    kw = dict(
-        room=room,
-        prefill_kv_indices=np.asarray(page_ids, dtype=np.int32),
-        index_slice=slice(0, len(page_ids)),
-        is_last_chunk=True,
-        prefill_aux_index=0,
-        state_indices=None,
-    )
-    return TransferKVChunk(**{k: v for k, v in kw.items() if k in fields})
 
 
 @pytest.fixture
@@ -108,7 +90,7 @@ def test_guarded_pages_in_flight_are_held_until_the_worker_moves_on(make_side, g
         total = p.allocator.available_size()
         a = p.allocator.alloc(4 * PAGE)
         rest = p.allocator.alloc(p.allocator.available_size())
-        queue.put(_chunk(7001, _pages(a)))
+        queue.put(transfer_chunk(7001, _pages(a)))
         got, sending, next_chunk = [], threading.Event(), threading.Event()
 
         def worker():  # one transfer worker thread per queue, as in SGLang
@@ -150,7 +132,7 @@ def test_unpinned_frees_pass_straight_through(make_side, guarded):
         g, hold, queue = _setup(p)
         a = p.allocator.alloc(2 * PAGE)
         b = p.allocator.alloc(2 * PAGE)
-        queue.put(_chunk(7002, _pages(a)))
+        queue.put(transfer_chunk(7002, _pages(a)))
         before = p.allocator.available_size()
         p.allocator.free(b)  # b is not being sent
         assert p.allocator.available_size() == before + 2 * PAGE
@@ -172,7 +154,7 @@ def test_running_futures_hold_the_pages(make_side, guarded):
         release = threading.Event()
         a = p.allocator.alloc(3 * PAGE)
         base = p.allocator.available_size()
-        queue.put(_chunk(7003, _pages(a)))
+        queue.put(transfer_chunk(7003, _pages(a)))
         queue.get()
         fut = executor.submit(release.wait, 10)
         queue.finish_current()  # the worker moved on; the future still reads
@@ -193,7 +175,7 @@ def test_a_transfer_that_never_drains_is_quarantined_not_freed(make_side, guarde
         g, hold, queue = _setup(p, quarantine_after=0.05)
         a = p.allocator.alloc(2 * PAGE)
         base = p.allocator.available_size()
-        queue.put(_chunk(7004, _pages(a)))
+        queue.put(transfer_chunk(7004, _pages(a)))
         queue.get()  # stuck inside the transfer (peer frozen)
         p.allocator.free(a)
         time.sleep(0.1)
@@ -222,7 +204,7 @@ def test_queues_wrapped_before_the_allocator_is_bound_pin_once_a_worker_consumes
     queue = g._proxy_for(manager, raw)  # worker start: no hold bound yet
     assert isinstance(queue, g._PinningQueue) and manager.transfer_queues[0] is queue
     assert g._proxy_for(manager, raw) is queue  # one proxy per queue
-    queue.put(_chunk(7005, [1, 2]))  # no worker of ours consumes it: no pin
+    queue.put(transfer_chunk(7005, [1, 2]))  # no worker of ours consumes it: no pin
     assert HOLDS["prefill"].snapshot()["pinned"] == 0
     assert queue.get().room == 7005
     with make_side("prefill", num_tokens=256) as p:
@@ -230,7 +212,7 @@ def test_queues_wrapped_before_the_allocator_is_bound_pin_once_a_worker_consumes
         assert hold is HOLDS["prefill"]
         queue.consumer_wrapped = True
         a = p.allocator.alloc(PAGE)
-        queue.put(_chunk(7006, _pages(a)))
+        queue.put(transfer_chunk(7006, _pages(a)))
         assert hold.snapshot()["pinned"] == 1
         queue.get()
         queue.finish_current()
@@ -247,7 +229,7 @@ def test_a_failed_allocation_waits_for_held_pages_to_drain(make_side, guarded):
         g, hold, queue = _setup(p)
         a = p.allocator.alloc(4 * PAGE)
         rest = p.allocator.alloc(p.allocator.available_size())
-        queue.put(_chunk(7005, _pages(a)))
+        queue.put(transfer_chunk(7005, _pages(a)))
         sending, drain = threading.Event(), threading.Event()
 
         def worker():  # SGLang's transfer worker thread

@@ -15,17 +15,6 @@ os.environ["KVGUARD_AUTO_INSTALL"] = "0"
 pytestmark = pytest.mark.component
 
 
-@pytest.fixture
-def kvguard():
-    import sglang_kvguard
-
-    report = sglang_kvguard.install()
-    try:
-        yield report
-    finally:
-        sglang_kvguard.uninstall()
-
-
 def _pending(side):
     return side.bootstrap_queue.kv_manager.__dict__.get("_kvguard_rejected", {})
 
@@ -68,30 +57,6 @@ def test_admitted_request_leaves_nothing_behind(sgl, make_side, kvguard):
         req = p.new_req(40, bootstrap_room=88003)
         p.bootstrap_queue.add(req, p.kv_pool.head_num)
         assert 88003 not in _pending(p)
-
-
-@pytest.fixture
-def bootstrap_server(sgl):
-    """SGLang's real bootstrap server (no ranks registered: only the DP-rank table is used)."""
-    import time
-    import urllib.request
-
-    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
-
-    from sglang_kvguard.demo.deployment import free_ports
-
-    port = free_ports(1)[0]
-    server = CommonKVBootstrapServer("127.0.0.1", port)
-    for _ in range(50):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-            break
-        except OSError:
-            time.sleep(0.1)
-    try:
-        yield port
-    finally:
-        server.close()
 
 
 def _dp_rank_of(port, room, timeout=5.0):
