@@ -7,6 +7,7 @@ from .decode_rejection_notice import DecodeRejectionNoticeGuard
 from .destination_canary import DestinationCanaryGuard
 from .empty_prompt import EmptyPromptGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
+from .page_generation import PageGenerationGuard
 from .pool_capacity import PoolCapacityGuard
 from .prefill_admission_fit import PrefillAdmissionFitGuard
 from .prefill_source_hold import PrefillSourceHoldGuard
@@ -25,6 +26,7 @@ GUARDS = [
     DestinationCanaryGuard,
     TransferCoverageGuard,
     MooncakeBatchBoundGuard,
+    PageGenerationGuard,  # inside prefill_source_hold on the shared free sinks: tags what is really freed
     PrefillSourceHoldGuard,
     DecodeDeferredReleaseGuard,
     PrefillAdmissionFitGuard,

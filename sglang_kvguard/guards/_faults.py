@@ -7,7 +7,9 @@ before decode's commit-time checks, the way a faulty transfer would leave it:
 * ``bitflip``: one bit of one word of the second transferred page (first buffer);
 * ``swap``: the first two transferred pages exchange content (every buffer);
 * ``unwritten``: the last reserved page is put back to its canary, as if the transfer
-  never wrote it.
+  never wrote it;
+* ``freed``: the last reserved page is freed behind the request's back (the request
+  keeps using it), as upstream's early-release paths do (docs/design/page-lifetime.md).
 
 Never set it in production: it exists so that tests can show each fault is caught
 over real Mooncake transfers (tests/server/test_integrity_faults.py).
@@ -24,7 +26,7 @@ ENV = "KVGUARD_FAULT_INJECTION"
 PREFIX = "kvguard-fault-"
 
 
-def maybe_inject(decode_req) -> None:
+def maybe_inject(decode_req, queue=None) -> None:
     if os.environ.get(ENV) != "1":
         return
     rid = str(getattr(decode_req.req, "rid", "") or "")
@@ -52,6 +54,11 @@ def maybe_inject(decode_req) -> None:
             tmp = buf[a * ps:(a + 1) * ps].clone()
             buf[a * ps:(a + 1) * ps].copy_(buf[b * ps:(b + 1) * ps])
             buf[b * ps:(b + 1) * ps].copy_(tmp)
+    elif kind == "freed" and queue is not None:
+        alloc = getattr(getattr(queue, "scheduler", None), "token_to_kv_pool_allocator", None)
+        if alloc is None:
+            alloc = queue.tree_cache.token_to_kv_pool_allocator
+        alloc.free(torch.tensor([pages[-1] * ps], dtype=torch.int64, device=bufs[0].device))
     elif kind == "unwritten" and canary is not None:
         from .. import kernels
 

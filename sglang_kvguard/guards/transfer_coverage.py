@@ -196,7 +196,7 @@ def _commit(unverified_policy: str) -> Callable[[Callable], Callable]:
     def factory(original: Callable) -> Callable:
         def _commit_transfer_to_req(self, decode_req, *args, **kwargs):
             if _faults.ENV in os.environ:  # tests only (see _faults.py)
-                _faults.maybe_inject(decode_req)
+                _faults.maybe_inject(decode_req, self)
             room = landed_room(self, decode_req)
             if room is None:
                 return original(self, decode_req, *args, **kwargs)

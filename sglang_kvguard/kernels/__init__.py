@@ -15,6 +15,10 @@ MLA ``kv_buffer[layer]``; rows are read as 32-bit words)::
     canary_full_count(buffers, page_size) -> int  # count of a never-written page
     bump_generations(gens, page_ids) -> None     # gens: int32 [num_pages], in place
     generation_mismatch(pool_gens, page_ids, recorded) -> bool [n]
+    record_generations(pool_gens, req_to_token, rec_gens, rec_len, rows, start, end, page_size)
+        -> None                                   # per-request records, in place
+    batch_generation_mismatch(pool_gens, req_to_token, rec_gens, rec_len, rows, page_size)
+        -> bool [n_rows]                          # one launch for a whole batch
 
 Dispatch (per call, from the device of the tensors): ``KVGUARD_KERNELS=triton`` forces
 the Triton kernels, ``KVGUARD_KERNELS=torch`` forces the pure-torch reference, and the
@@ -44,6 +48,8 @@ __all__ = [
     "canary_full_count",
     "bump_generations",
     "generation_mismatch",
+    "record_generations",
+    "batch_generation_mismatch",
     "backend_for",
     "mix64",
     "mix64_int",
@@ -142,3 +148,15 @@ def bump_generations(gens: torch.Tensor, page_ids) -> None:
 def generation_mismatch(pool_gens: torch.Tensor, page_ids, recorded) -> torch.Tensor:
     """``pool_gens[page_ids[i]] != recorded[i]`` as bool ``[n]``."""
     return _impl(pool_gens.device).generation_mismatch(pool_gens, page_ids, recorded)
+
+
+def record_generations(pool_gens, req_to_token, rec_gens, rec_len, rows, start, end, page_size: int) -> None:
+    """Record, per row, the current generation of the pages behind slots ``[start, end)``;
+    ``rec_len[row] = end``. ``rec_gens`` is int32 ``[rows, ceil(tokens / page_size)]``."""
+    _impl(rec_gens.device).record_generations(pool_gens, req_to_token, rec_gens, rec_len, rows, start, end, page_size)
+
+
+def batch_generation_mismatch(pool_gens, req_to_token, rec_gens, rec_len, rows, page_size: int):
+    """Per row: does any recorded page now carry a different generation? bool ``[n_rows]``."""
+    return _impl(rec_gens.device).batch_generation_mismatch(pool_gens, req_to_token, rec_gens, rec_len, rows,
+                                                            page_size)

@@ -410,3 +410,88 @@ def generation_mismatch(pool_gens: torch.Tensor, page_ids, recorded) -> torch.Te
         return torch.zeros(0, dtype=torch.bool, device=pool_gens.device)
     check_page_range(ids, pool_gens.numel())
     return pool_gens.index_select(0, ids) != wrap_int32(rec)
+
+
+# --------------------------------------------------------------------------- per-request generation records
+#
+# ``rec_gens[row, slot]`` is the generation a request recorded for the page behind
+# ``req_to_token[row, slot * page_size]``; ``rec_len[row]`` is how many slots of the
+# row are recorded. ``row`` is the request's req_to_token row (``req_pool_idx``).
+
+
+def check_records(req_to_token: torch.Tensor, rec_gens: torch.Tensor, rec_len: torch.Tensor, page_size: int) -> int:
+    page_size = _check_page_size(page_size)
+    if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64):
+        raise ValueError("req_to_token must be a 2-D int32/int64 tensor [rows, tokens]")
+    width = -(-req_to_token.shape[1] // page_size)
+    if rec_gens.dtype != torch.int32 or tuple(rec_gens.shape) != (req_to_token.shape[0], width):
+        raise ValueError(f"rec_gens must be int32 [{req_to_token.shape[0]}, {width}], got "
+                         f"{rec_gens.dtype} {tuple(rec_gens.shape)}")
+    if rec_len.dtype != torch.int32 or tuple(rec_len.shape) != (req_to_token.shape[0],):
+        raise ValueError(f"rec_len must be int32 [{req_to_token.shape[0]}]")
+    if not (rec_gens.is_contiguous() and rec_len.is_contiguous()):
+        raise ValueError("generation records must be contiguous")
+    return width
+
+
+def _row_pages(req_to_token: torch.Tensor, rows: torch.Tensor, page_size: int, n_pages: int) -> torch.Tensor:
+    """Page id behind every slot of the given rows, int64 [n_rows, width] (clamped to the pool)."""
+    toks = req_to_token[:, ::page_size].index_select(0, rows).to(torch.int64)
+    return torch.div(toks, page_size, rounding_mode="floor").clamp_(0, n_pages - 1)
+
+
+def record_generations(pool_gens, req_to_token, rec_gens, rec_len, rows, start, end, page_size: int) -> None:
+    """For each i: ``rec_gens[rows[i], s] = pool_gens[page(rows[i], s)]`` for ``start[i] <= s < end[i]``,
+    then ``rec_len[rows[i]] = end[i]``. Rows must be distinct."""
+    check_generations(pool_gens)
+    width = check_records(req_to_token, rec_gens, rec_len, page_size)
+    rows = as_page_ids(rows, rec_gens.device)
+    if rows.numel() == 0:
+        return
+    start = as_page_ids(start, rec_gens.device)
+    end = as_page_ids(end, rec_gens.device).clamp(0, width)
+    span = int((end - start).clamp(min=0).max())
+    if span <= 8:  # a decode step adds at most a slot or two per row: touch only those
+        base = start.clamp(0, width)
+        for d in range(span):
+            slot = base + d
+            ok = slot < end
+            if not bool(ok.any()):
+                continue
+            r, sl = rows[ok], slot[ok]
+            toks = req_to_token[r, sl * page_size].to(torch.int64)
+            pages = torch.div(toks, page_size, rounding_mode="floor").clamp_(0, pool_gens.numel() - 1)
+            rec_gens[r, sl] = pool_gens[pages]
+    else:
+        slots = torch.arange(width, device=rec_gens.device)
+        mask = (slots[None, :] >= start[:, None]) & (slots[None, :] < end[:, None])
+        pages = _row_pages(req_to_token, rows, page_size, pool_gens.numel())
+        fresh = pool_gens[pages]
+        rec_gens.index_copy_(0, rows, torch.where(mask, fresh, rec_gens.index_select(0, rows)))
+    rec_len.index_copy_(0, rows, end.to(torch.int32))
+
+
+def batch_generation_mismatch(pool_gens, req_to_token, rec_gens, rec_len, rows, page_size: int) -> torch.Tensor:
+    """bool [n_rows]: some recorded slot ``s < rec_len[row]`` of the row has
+    ``pool_gens[page(row, s)] != rec_gens[row, s]``."""
+    check_generations(pool_gens)
+    width = check_records(req_to_token, rec_gens, rec_len, page_size)
+    rows = as_page_ids(rows, rec_gens.device)
+    if rows.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool, device=rec_gens.device)
+    slots = torch.arange(width, device=rec_gens.device)
+    mask = slots[None, :] < rec_len.index_select(0, rows).to(torch.int64)[:, None]
+    pages = _row_pages(req_to_token, rows, page_size, pool_gens.numel())
+    bad = (pool_gens[pages] != rec_gens.index_select(0, rows)) & mask
+    return bad.any(dim=1)
+
+
+def mismatched_slots(pool_gens, req_to_token, rec_gens, rec_len, row: int, page_size: int):
+    """Host-side detail for one row (the slow path after a mismatch):
+    ``[(slot, page, recorded_gen, current_gen), ...]``."""
+    n = int(rec_len[row])
+    toks = req_to_token[row, : n * page_size : page_size].to(torch.int64).cpu()
+    pages = torch.div(toks, page_size, rounding_mode="floor").clamp_(0, pool_gens.numel() - 1)
+    cur = pool_gens.cpu()[pages]
+    rec = rec_gens[row, :n].cpu()
+    return [(s, int(pages[s]), int(rec[s]), int(cur[s])) for s in torch.nonzero(cur != rec).flatten().tolist()]

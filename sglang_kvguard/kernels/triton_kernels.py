@@ -23,7 +23,8 @@ import triton.language as tl
 from . import reference as ref
 
 # Incremented on every kernel launch; tests use it to prove the Triton path ran.
-LAUNCHES: dict[str, int] = {"page_sums": 0, "stamp": 0, "count": 0, "bump": 0, "mismatch": 0}
+LAUNCHES: dict[str, int] = {"page_sums": 0, "stamp": 0, "count": 0, "bump": 0, "mismatch": 0, "record": 0,
+                             "batch_mismatch": 0}
 
 _MAX_BLOCK = 2048
 
@@ -112,6 +113,37 @@ def _mismatch_kernel(gens_ptr, ids_ptr, rec_ptr, out_ptr, n, BLOCK: tl.constexpr
     g = tl.load(gens_ptr + ids, mask=m, other=0)
     r = tl.load(rec_ptr + offs, mask=m, other=0)
     tl.store(out_ptr + offs, (g != r).to(tl.int8), mask=m)
+
+
+@triton.jit
+def _record_kernel(gens_ptr, r2t_ptr, r2t_stride, rec_ptr, rows_ptr, start_ptr, end_ptr, n_pages, width,
+                   PS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i)
+    start = tl.load(start_ptr + i)
+    end = tl.minimum(tl.load(end_ptr + i), width)
+    slots = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    m = (slots >= start) & (slots < end)
+    tok = tl.load(r2t_ptr + row * r2t_stride + slots * PS, mask=m, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(tok // PS, 0), n_pages - 1)
+    g = tl.load(gens_ptr + page, mask=m, other=0)
+    tl.store(rec_ptr + row * width + slots, g, mask=m)
+
+
+@triton.jit
+def _batch_mismatch_kernel(gens_ptr, r2t_ptr, r2t_stride, rec_ptr, rec_len_ptr, rows_ptr, out_ptr, n_pages, width,
+                           PS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i)
+    n = tl.load(rec_len_ptr + row).to(tl.int64)
+    slots = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    m = slots < n
+    tok = tl.load(r2t_ptr + row * r2t_stride + slots * PS, mask=m, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(tok // PS, 0), n_pages - 1)
+    g = tl.load(gens_ptr + page, mask=m, other=0)
+    r = tl.load(rec_ptr + row * width + slots, mask=m, other=0)
+    bad = tl.sum(((g != r) & m).to(tl.int32), axis=0)
+    tl.atomic_max(out_ptr + i, (bad > 0).to(tl.int32))
 
 
 # --------------------------------------------------------------------------- launchers
@@ -245,3 +277,42 @@ def generation_mismatch(pool_gens: torch.Tensor, page_ids, recorded) -> torch.Te
     _mismatch_kernel[(triton.cdiv(n, _GEN_BLOCK),)](pool_gens, ids, rec, out, n, BLOCK=_GEN_BLOCK, num_warps=4)
     LAUNCHES["mismatch"] += 1
     return out.view(torch.bool)
+
+
+_REC_BLOCK = 256
+
+
+def _record_args(pool_gens, req_to_token, rec_gens, rec_len, rows, page_size):
+    ref.check_generations(pool_gens)
+    width = ref.check_records(req_to_token, rec_gens, rec_len, page_size)
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    rows = ref.as_page_ids(rows, rec_gens.device).contiguous()
+    return width, rows
+
+
+def record_generations(pool_gens, req_to_token, rec_gens, rec_len, rows, start, end, page_size: int) -> None:
+    width, rows = _record_args(pool_gens, req_to_token, rec_gens, rec_len, rows, page_size)
+    n = rows.numel()
+    if n == 0:
+        return
+    start = ref.as_page_ids(start, rec_gens.device).contiguous()
+    end = ref.as_page_ids(end, rec_gens.device).clamp(0, width).contiguous()
+    grid = (n, triton.cdiv(width, _REC_BLOCK))
+    _record_kernel[grid](pool_gens, req_to_token, req_to_token.stride(0), rec_gens, rows, start, end,
+                         pool_gens.numel(), width, PS=int(page_size), BLOCK=_REC_BLOCK, num_warps=4)
+    rec_len.index_copy_(0, rows, end.to(torch.int32))
+    LAUNCHES["record"] += 1
+
+
+def batch_generation_mismatch(pool_gens, req_to_token, rec_gens, rec_len, rows, page_size: int) -> torch.Tensor:
+    width, rows = _record_args(pool_gens, req_to_token, rec_gens, rec_len, rows, page_size)
+    n = rows.numel()
+    out = torch.zeros(n, dtype=torch.int32, device=rec_gens.device)
+    if n == 0:
+        return out.to(torch.bool)
+    grid = (n, triton.cdiv(width, _REC_BLOCK))
+    _batch_mismatch_kernel[grid](pool_gens, req_to_token, req_to_token.stride(0), rec_gens, rec_len, rows, out,
+                                 pool_gens.numel(), width, PS=int(page_size), BLOCK=_REC_BLOCK, num_warps=4)
+    LAUNCHES["batch_mismatch"] += 1
+    return out != 0

@@ -1,7 +1,9 @@
 """A hypothesis stateful model of prefill page ownership, run against SGLang's real
 paged allocator, FastQueue and TransferKVChunk with kvguard's prefill_source_hold.
 
-Steps: allocate a request's pages; queue a transfer chunk of a request's pages; the
+Steps: allocate a request's pages; share a live request's pages with a new request
+(a prefix hit in the radix cache: a page is freed when its last user ends); queue a
+transfer chunk of a request's pages; the
 transfer worker takes the next chunk (finishing the previous one) or goes idle; a
 request ends (completion, abort or timeout at any phase: the scheduler frees its
 pages, whatever the transfer is doing); the scheduler thread releases drained pages;
@@ -10,6 +12,9 @@ the quarantine bound passes. After every step:
 * no page belongs to two live requests, and a new allocation never returns a page a
   live request owns or a queued / in-flight transfer still reads;
 * no page is in the allocator's free list while a transfer references it;
+* every live request still finds the generation it recorded on each of its pages
+  (kvguard's page_generation tags, bumped at the allocator's real free sink), and a
+  page handed out again never carries a generation an earlier owner recorded;
 * free pages + pages of live requests + pages kvguard holds == the pool;
 * when everything has ended and drained, every page is free again (held and
   quarantined pages come back once their transfer drains).
@@ -17,8 +22,8 @@ the quarantine bound passes. After every step:
 Run without kvguard, the same model finds the hazard (a freed in-flight page in the
 free list, or handed to the next request).
 
-Not modelled yet (issue 3): prefix sharing through the radix cache, per-page
-generation tags, the decode side.
+Not modelled yet (issue 3): the decode side's own hold (kvguard's decode hold before
+0.5.21).
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ def _free_page_ids(allocator) -> list:
 def _machine(make_side, guarded: bool):
     from sglang.srt.disaggregation.common.utils import FastQueue
 
+    import torch
+
+    from sglang_kvguard.guards import page_generation as pg
     from sglang_kvguard.guards import prefill_source_hold as g
 
     class PageOwnership(RuleBasedStateMachine):
@@ -75,6 +83,12 @@ def _machine(make_side, guarded: bool):
             manager.transfer_queues = [FastQueue()]
             self.queue = g._proxy_for(manager, manager.transfer_queues[0])
             self.queue.consumer_wrapped = True  # what kvguard's transfer_worker wrapper does
+            # generation tags on the same allocator (kvguard tags decode pools; the
+            # sink and the bookkeeping are the same on this one)
+            self.table = pg.bind(self.alloc, self.side.req_to_token_pool) if guarded else None
+            self.recorded = {}  # rid -> generations of its pages when it got them
+            self.past = {}  # page -> generations earlier owners recorded
+            self.users = {}  # page -> number of live requests using it (prefix sharing)
             self.live = {}  # rid -> (tokens, pages)
             self.queued = deque()  # (rid, pages) waiting for the worker
             self.inflight = None  # (rid, pages) the worker is sending
@@ -95,6 +109,21 @@ def _machine(make_side, guarded: bool):
                 out.update(pages)
             return out
 
+        def gens(self, pages) -> list:
+            return [int(x) for x in self.table.gens[pages].tolist()] if self.table is not None else []
+
+        def start(self, tokens, pages, fresh) -> None:
+            rid = self.next_rid
+            self.next_rid += 1
+            self.live[rid] = (tokens, pages)
+            for p in pages:
+                self.users[p] = self.users.get(p, 0) + 1
+            self.recorded[rid] = self.gens(pages)
+            for p, gen in zip(pages, self.recorded[rid]):
+                if p in fresh:
+                    assert gen not in self.past.get(p, ()), f"page {p} handed out again with an earlier owner's generation"
+                self.past.setdefault(p, set()).add(gen)
+
         # -- rules
         @rule(n=st.integers(1, 4))
         def allocate(self, n):
@@ -104,8 +133,14 @@ def _machine(make_side, guarded: bool):
             pages = sorted({int(t) // PAGE for t in tokens.tolist()})
             assert not set(pages) & self.live_pages(), f"pages {pages} handed to two live requests"
             assert not set(pages) & self.referenced(), f"pages {pages} handed out while a transfer reads them"
-            self.live[self.next_rid] = (tokens, pages)
-            self.next_rid += 1
+            self.start(tokens, pages, fresh=set(pages))
+
+        @precondition(lambda self: self.live)
+        @rule(data=st.data())
+        def share_prefix(self, data):
+            rid = data.draw(st.sampled_from(sorted(self.live)))
+            tokens, pages = self.live[rid]
+            self.start(tokens, pages, fresh=set())
 
         @precondition(lambda self: self.live)
         @rule(data=st.data())
@@ -130,8 +165,16 @@ def _machine(make_side, guarded: bool):
         @rule(data=st.data())
         def request_ends(self, data):
             rid = data.draw(st.sampled_from(sorted(self.live)))
-            tokens, _pages = self.live.pop(rid)
-            self.alloc.free(tokens)
+            _tokens, pages = self.live.pop(rid)
+            self.recorded.pop(rid)
+            last = []
+            for p in pages:
+                self.users[p] -= 1
+                if not self.users[p]:
+                    del self.users[p]
+                    last.append(p)
+            if last:  # the radix cache frees a shared page when its last user ends
+                self.alloc.free((torch.tensor(last)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1))
 
         @rule()
         def scheduler_step(self):
@@ -150,6 +193,13 @@ def _machine(make_side, guarded: bool):
             assert not free & self.live_pages()
 
         @invariant()
+        def live_requests_find_their_generations(self):
+            if self.table is None:
+                return
+            for rid, (_tokens, pages) in self.live.items():
+                assert self.gens(pages) == self.recorded[rid], f"request {rid} would read a page that changed owner"
+
+        @invariant()
         def pages_add_up(self):
             free = len(_free_page_ids(self.alloc))
             assert free + len(self.live_pages()) + self.hold.held_pages() == self.total_pages
@@ -162,9 +212,11 @@ def _machine(make_side, guarded: bool):
                         self.queued.popleft()
                     self.queue.finish_current()
                     self.inflight = None
-                    for tokens, _pages in self.live.values():
-                        self.alloc.free(tokens)
+                    if self.users:
+                        self.alloc.free((torch.tensor(sorted(self.users))[:, None] * PAGE
+                                         + torch.arange(PAGE)).reshape(-1))
                     self.live.clear()
+                    self.users.clear()
                     g.release_drained(self.alloc)
                     assert self.hold.held_pages() == 0 and self.hold.quarantined_pages() == 0
                     assert self.alloc.available_size() == self.initial_available
@@ -189,7 +241,8 @@ def test_page_ownership_model_holds_with_kvguard(make_side):
     report = sglang_kvguard.install()
     wait, g.ALLOC_WAIT = g.ALLOC_WAIT, 0.0  # one thread plays the worker too: a failed alloc must not wait
     try:
-        assert {x.name: x.state for x in report.guards}["prefill_source_hold"] == "active"
+        states = {x.name: x.state for x in report.guards}
+        assert states["prefill_source_hold"] == "active" and states["page_generation"] == "active"
         for key in SEEN:
             SEEN[key] = 0
         run_state_machine_as_test(_machine(make_side, guarded=True), settings=SETTINGS)

@@ -26,3 +26,30 @@ def make_buffers(n, rows, row_shape, dtype, device="cpu", seed=0):
         raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
         out.append(raw.view(dtype).view(rows, *row_shape).to(device))
     return out
+
+
+def make_records(page_size: int, rows: int = 6, tokens: int = 100, n_pages: int = 64, seed: int = 11):
+    """A req_to_token table whose rows point at distinct pages (token = page * ps + offset),
+    pool generations, and empty records shaped for it."""
+    g = torch.Generator().manual_seed(seed)
+    width = -(-tokens // page_size)
+    r2t = torch.zeros(rows, tokens, dtype=torch.int32)
+    for r in range(rows):
+        pages = torch.randint(1, n_pages, (width,), generator=g)
+        toks = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:tokens]
+        r2t[r] = toks.to(torch.int32)
+    gens = torch.randint(-(2**31), 2**31 - 1, (n_pages,), dtype=torch.int32, generator=g)
+    rec = torch.zeros(rows, width, dtype=torch.int32)
+    rec_len = torch.zeros(rows, dtype=torch.int32)
+    return r2t, gens, rec, rec_len
+
+
+def naive_mismatch(gens, r2t, rec, rec_len, rows, page_size):
+    out = []
+    for r in rows:
+        bad = False
+        for s in range(int(rec_len[r])):
+            page = int(r2t[r, s * page_size]) // page_size
+            bad |= int(gens[page]) != int(rec[r, s])
+        out.append(bad)
+    return out

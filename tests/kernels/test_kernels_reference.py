@@ -258,3 +258,45 @@ def test_import_does_not_pull_triton_or_sglang():
     env = dict(os.environ, KVGUARD_AUTO_INSTALL="0", KVGUARD_KERNELS="auto")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_reference_records_and_batch_mismatch(page_size):
+    from _kernels_helpers import make_records, naive_mismatch
+
+    r2t, gens, rec, rec_len = make_records(page_size)
+    width = rec.shape[1]
+    ref.record_generations(gens, r2t, rec, rec_len, [0, 2, 5], [0, 0, 0], [width, 3, 0], page_size)
+    assert rec_len.tolist() == [width, 0, 3, 0, 0, 0]
+    for s in range(width):
+        assert int(rec[0, s]) == int(gens[int(r2t[0, s * page_size]) // page_size])
+    assert rec[2, 3:].eq(0).all() and rec[1].eq(0).all()
+    # extension: slots [3, 5) of row 2 only
+    ref.record_generations(gens, r2t, rec, rec_len, [2], [3], [5], page_size)
+    assert rec_len[2] == 5 and rec[2, 5:].eq(0).all()
+    rows = [0, 1, 2, 5]
+    assert ref.batch_generation_mismatch(gens, r2t, rec, rec_len, rows, page_size).tolist() == [False] * 4
+    # a page of row 2 changes owner: only row 2 (and any row sharing that page) mismatches
+    page = int(r2t[2, 4 * page_size]) // page_size
+    ref.bump_generations(gens, [page])
+    got = ref.batch_generation_mismatch(gens, r2t, rec, rec_len, rows, page_size).tolist()
+    assert got == naive_mismatch(gens, r2t, rec, rec_len, rows, page_size)
+    assert got[2] is True and got[1] is False and got[3] is False
+    detail = ref.mismatched_slots(gens, r2t, rec, rec_len, 2, page_size)
+    assert (4, page, int(gens[page]) - 1, int(gens[page])) in detail
+    # pages recorded past rec_len do not count
+    rec_len[2] = 4
+    assert ref.batch_generation_mismatch(gens, r2t, rec, rec_len, [2], page_size).tolist() == [
+        any(p == page for p in (int(r2t[2, s * page_size]) // page_size for s in range(4)))
+    ]
+
+
+def test_reference_records_validate_shapes():
+    r2t = torch.zeros(4, 32, dtype=torch.int32)
+    gens = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="rec_gens must be int32"):
+        ref.batch_generation_mismatch(gens, r2t, torch.zeros(4, 3, dtype=torch.int32),
+                                      torch.zeros(4, dtype=torch.int32), [0], 16)
+    with pytest.raises(ValueError, match="rec_len"):
+        ref.record_generations(gens, r2t, torch.zeros(4, 2, dtype=torch.int32),
+                               torch.zeros(4, dtype=torch.int64), [0], [0], [1], 16)

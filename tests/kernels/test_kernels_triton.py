@@ -152,3 +152,34 @@ def test_kernels_are_interpreted_on_cpu_and_compiled_on_cuda(device):
 
     interpreted = isinstance(tk._page_sums_kernel, InterpretedFunction)
     assert interpreted == (device == "cpu")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_records_and_batch_mismatch_bit_exact(page_size, device, force_triton, launches):
+    from _kernels_helpers import make_records, naive_mismatch
+
+    r2t, gens, rec, rec_len = make_records(page_size, rows=7, tokens=600, n_pages=300)
+    width = rec.shape[1]
+    rows, start, end = [6, 0, 3, 4], [0, 0, 2, 5], [width, 7, width - 1, 5]
+    d_r2t, d_gens, d_rec, d_len = (t.clone().to(device) for t in (r2t, gens, rec, rec_len))
+    K.record_generations(d_gens, d_r2t, d_rec, d_len, rows, start, end, page_size)
+    ref.record_generations(gens, r2t, rec, rec_len, rows, start, end, page_size)
+    assert torch.equal(d_rec.cpu(), rec) and torch.equal(d_len.cpu(), rec_len)
+    # a decode step: one or two new slots per row (the reference's narrow path)
+    rows2, start2, end2 = [6, 0, 3], [width - 2, 7, width - 1], [width, 8, width]
+    ref.bump_generations(gens, [int(r2t[6, (width - 1) * page_size]) // page_size])
+    K.bump_generations(d_gens, [int(r2t[6, (width - 1) * page_size]) // page_size])
+    K.record_generations(d_gens, d_r2t, d_rec, d_len, rows2, start2, end2, page_size)
+    ref.record_generations(gens, r2t, rec, rec_len, rows2, start2, end2, page_size)
+    assert torch.equal(d_rec.cpu(), rec) and torch.equal(d_len.cpu(), rec_len)
+    for bump in ([], [int(r2t[0, 3 * page_size]) // page_size], [int(r2t[3, (width - 2) * page_size]) // page_size]):
+        K.bump_generations(d_gens, bump)
+        ref.bump_generations(gens, bump)
+        got = K.batch_generation_mismatch(d_gens, d_r2t, d_rec, d_len, [0, 1, 3, 4, 6], page_size)
+        want = ref.batch_generation_mismatch(gens, r2t, rec, rec_len, [0, 1, 3, 4, 6], page_size)
+        assert got.dtype == torch.bool and torch.equal(got.cpu(), want)
+        assert want.tolist() == naive_mismatch(gens, r2t, rec, rec_len, [0, 1, 3, 4, 6], page_size)
+    assert want.any()
+    assert K.batch_generation_mismatch(d_gens, d_r2t, d_rec, d_len, [], page_size).numel() == 0
+    d = launches()
+    assert d["record"] == 2 and d["batch_mismatch"] == 3

@@ -3,7 +3,9 @@
 The decode node runs with ``KVGUARD_FAULT_INJECTION=1`` (test hook,
 ``sglang_kvguard/guards/_faults.py``): a request whose rid names a fault has the KV
 that Mooncake landed corrupted just before decode's commit-time checks. Each must be
-failed closed with the right guard's message; a request without a fault name, on the
+failed closed with the right guard's message (``freed``: the last reserved page is
+freed behind the request's back and caught by page_generation before the first
+decode step reads it); a request without a fault name, on the
 same servers, is answered normally.
 
 The router runs with ``--disable-retries --disable-circuit-breaker``: by default it
@@ -13,9 +15,12 @@ worker's circuit, so the client gets the router's 503 instead of kvguard's messa
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from server_tier import DECODE_POOL, VOCAB
+from test_admission_load import _baseline, settled
 from sglang_kvguard.demo.tinymodel import prompt_of_tokens
 
 pytestmark = pytest.mark.server
@@ -27,6 +32,7 @@ PROMPT = 100  # 7 pages of 16
 def faulty(pd_factory):
     return pd_factory("guarded-faults", launcher="sglang_kvguard.launch_server",
                       prefill_max_total_tokens=DECODE_POOL, env={"KVGUARD_FAULT_INJECTION": "1"},
+                      decode_extra_args=["--enable-metrics"],
                       router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
 
 
@@ -48,3 +54,41 @@ def test_same_request_without_a_fault_is_answered(faulty):
     r = faulty.generate(prompt_of_tokens(PROMPT, vocab=VOCAB, offset=3), max_new_tokens=4, timeout=60)
     assert r.status == 200, r
     assert r.json["meta_info"]["prompt_tokens"] == PROMPT
+
+
+def test_page_freed_under_a_live_request_is_caught_before_decode_reads_it(faulty):
+    before = _baseline(faulty, "decode")
+    rid = "kvguard-fault-freed-1"
+    r = faulty.generate(prompt_of_tokens(PROMPT, vocab=VOCAB, offset=5), max_new_tokens=8, timeout=60, rid=rid)
+    assert r.status == 500, r
+    assert "KV page(s) of this request were freed or handed to another request" in r.text, r.text
+    log = faulty.log_text("decode")
+    assert f"freed applied to rid={rid}" in log
+    assert f"kvguard page_generation: request rid={rid}" in log and "failed closed" in log
+    # the request gave back what it still owned, never the page it had lost: no leak,
+    # no double free (upstream's idle leak check would stop the scheduler on either)
+    after = settled(faulty, "decode", before, timeout=30)
+    assert (after["usable_tokens"], after["metadata_free_slots"]) == before, (before, after)
+    assert "Traceback" not in log
+    ok = faulty.generate(prompt_of_tokens(PROMPT, vocab=VOCAB, offset=5), max_new_tokens=8, timeout=60)
+    assert ok.status == 200, ok
+
+
+def test_without_page_generation_the_freed_page_is_decoded_and_freed_twice(pd_factory):
+    """The same fault with page_generation switched off on decode: the client gets a 200
+    decoded over a page the pool counts as free, and when the request ends it frees the
+    page a second time; upstream's idle leak check then stops the decode scheduler
+    (seen on 0.5.19: "pool memory leak detected! [full] total=2048, available=2064")."""
+    d = pd_factory("unguarded-freed", launcher="sglang_kvguard.launch_server",
+                   prefill_max_total_tokens=DECODE_POOL, env={"KVGUARD_FAULT_INJECTION": "1"},
+                   decode_extra_args=["--kvguard-disable=page_generation"],
+                   router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
+    rid = "kvguard-fault-freed-2"
+    r = d.generate(prompt_of_tokens(PROMPT, vocab=VOCAB, offset=5), max_new_tokens=8, timeout=60, rid=rid)
+    assert r.status == 200, r
+    deadline = time.monotonic() + 30
+    while "memory leak detected" not in d.log_text("decode") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = d.log_text("decode")
+    assert f"freed applied to rid={rid}" in log
+    assert "memory leak detected" in log, log[-3000:]

@@ -1,0 +1,159 @@
+"""page_generation on SGLang's real decode allocator, request pool and prealloc queue.
+
+The bug class: a page that a live decode request still uses is freed behind its back
+(upstream's early-release paths, docs/design/page-lifetime.md D1-D5) and handed to
+the next request. kvguard bumps the page's generation at the allocator's real free
+sink, records generations when ``DecodePreallocQueue._pre_alloc`` reserves a row, and
+checks a batch's records in one kernel before the decode forward.
+
+The batch here is a plain container of real ``Req`` objects (the scheduler's
+``update_running_batch`` and ``ScheduleBatch`` run in the server tier,
+tests/server/test_page_generation_faults.py); everything that frees, allocates or
+records is SGLang's own code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ["KVGUARD_AUTO_INSTALL"] = "0"
+
+pytestmark = pytest.mark.component
+
+PROMPT = 40  # 3 pages of 16
+
+
+class _Batch:
+    def __init__(self, reqs):
+        self.reqs = list(reqs)
+        self.kept = None
+
+    def filter_batch(self, keep_indices=None, **_):
+        self.kept = keep_indices
+        self.reqs = [self.reqs[i] for i in keep_indices]
+
+
+def _reserve(d, n, room0):
+    reqs = [d.new_req(PROMPT, bootstrap_room=room0 + i) for i in range(n)]
+    for r in reqs:
+        d.prealloc_queue.add(r)
+    pre, failed = d.prealloc_queue.pop_preallocated()
+    assert not failed and [x.req for x in pre] == reqs
+    for x in pre:  # the transfer landed: the metadata slot goes back (what a commit does)
+        d.metadata_allocator.free(x.metadata_buffer_index)
+        x.req.metadata_buffer_index = -1
+    return reqs
+
+
+def _pages(sgl, d, req):
+    row = d.req_to_token_pool.req_to_token[sgl.req_pool_idx(req)][:PROMPT]
+    return [int(t) // d.page_size for t in row[::d.page_size].tolist()]
+
+
+def _free_behind_its_back(d, page):
+    import torch
+
+    d.allocator.free(torch.tensor([page * d.page_size], dtype=torch.int64))
+
+
+def test_reused_page_is_caught_and_only_owned_pages_are_freed(sgl, make_side, kvguard):
+    from sglang_kvguard.guards import page_generation as pg
+
+    with make_side("decode") as d:
+        table = pg.bind(d.allocator, d.req_to_token_pool)
+        aborts = []
+        d.scheduler.send_abort_output = lambda obj, req: aborts.append((obj, req))
+        before = sgl.snapshot(d)
+        a, b = _reserve(d, 2, 81000)
+        assert int(table.rec_len[sgl.req_pool_idx(a)]) == 3  # recorded at _pre_alloc
+        assert table.mismatched([a, b]) == []
+
+        stolen = _pages(sgl, d, a)[-1]
+        _free_behind_its_back(d, stolen)  # the bug: a still uses it
+        (c,) = _reserve(d, 1, 81010)
+        assert stolen in _pages(sgl, d, c), "the freed page went to the next request"
+        assert table.mismatched([a, b, c]) == [0]
+
+        batch = _Batch([a, b, c])
+        pg.fail_mismatched(d.scheduler, batch, [0], table)
+        assert batch.reqs == [b, c]
+        reason = a.finished_reason
+        assert type(reason).__name__ == "FINISH_ABORT" and reason.status_code == 500
+        assert f"page {stolen}" in reason.message
+        assert [r for _, r in aborts] == [a] and aborts[0][0].rid == a.rid
+        assert aborts[0][0].finished_reason["status_code"] == 500
+        # a's row and its two pages are free again; the stolen page stayed with c
+        assert stolen in _pages(sgl, d, c) and table.mismatched([b, c]) == []
+        for r in (b, c):
+            sgl.release_req_kv(r, d.tree_cache)
+        assert sgl.snapshot(d) == before, "every page back exactly once, no double free"
+
+
+def test_without_the_guard_the_page_is_freed_twice(sgl, make_side):
+    """The harness sees the bug: unguarded, the request that lost its page frees it
+    again when it ends, and the pool counts a page it does not have (double free)."""
+    with make_side("decode") as d:
+        before = sgl.snapshot(d)
+        a, b = _reserve(d, 2, 82000)
+        stolen = _pages(sgl, d, a)[-1]
+        _free_behind_its_back(d, stolen)
+        (c,) = _reserve(d, 1, 82010)
+        assert stolen in _pages(sgl, d, c)
+        for r in (a, b, c):
+            sgl.release_req_kv(r, d.tree_cache)
+        after = sgl.snapshot(d)
+        assert after["free_pages"] == before["free_pages"] + 1, (before, after)
+
+
+def test_decode_growth_and_row_reuse_are_not_mismatches(sgl, make_side, kvguard):
+    import torch
+
+    from sglang_kvguard.guards import page_generation as pg
+
+    with make_side("decode") as d:
+        table = pg.bind(d.allocator, d.req_to_token_pool)
+        a, b = _reserve(d, 2, 83000)
+        ps = d.page_size
+        # a decode step crosses a page boundary: a new page from the real allocator
+        row = sgl.req_pool_idx(a)
+        loc = d.allocator.alloc(ps)
+        d.req_to_token_pool.req_to_token[row, 48:48 + ps] = loc.to(torch.int32)
+        table.extend([a, b], torch.tensor([49, PROMPT]))
+        assert int(table.rec_len[row]) == 4
+        assert table.mismatched([a, b]) == []
+        # a ends, its row and pages go to a request kvguard never recorded
+        d.allocator.free(loc)
+        sgl.release_req_kv(a, d.tree_cache)
+        (c,) = _reserve(d, 1, 83010)
+        del c._kvguard_generation_row  # as if reserved by a path kvguard does not wrap
+        first_seen = table.stats["first_seen"]
+        assert table.mismatched([b, c]) == []
+        assert table.stats["first_seen"] == first_seen + 1
+
+
+def test_free_sink_bumps_every_freed_page_once_per_free(sgl, make_side, kvguard):
+    import torch
+
+    from sglang_kvguard.guards import page_generation as pg
+
+    with make_side("decode") as d:
+        table = pg.bind(d.allocator, d.req_to_token_pool)
+        ps = d.page_size
+        loc = d.allocator.alloc(3 * ps)
+        pages = sorted({int(t) // ps for t in loc.tolist()})
+        g0 = table.gens[pages].clone()
+        d.allocator.free(loc)  # through the release's real sink (free or _release_page_ids)
+        assert bool((table.gens[pages] != g0).all())
+        other = [p for p in range(1, table.gens.numel() - 1) if p not in pages][:4]
+        assert int(table.gens[other].abs().sum()) == 0, "pages not freed keep their generation"
+        # a free inside a free group is tagged when the group really frees
+        loc = d.allocator.alloc(3 * ps)
+        grouped = sorted({int(t) // ps for t in loc.tolist()})
+        g1 = table.gens[grouped].clone()
+        d.allocator.free_group_begin()
+        d.allocator.free(loc)
+        assert torch.equal(table.gens[grouped], g1), "not freed yet: the group is still open"
+        d.allocator.free_group_end()
+        assert bool((table.gens[grouped] != g1).all())
