@@ -53,6 +53,12 @@ def sample(scheduler) -> dict:
         if hold is not None:
             out["kv_held_pages"] = hold.held_pages()
             out["kv_quarantined_pages"] = hold.quarantined_pages()
+        else:
+            from .guards.decode_deferred_release import deferred_pages
+
+            pages = deferred_pages()  # decode, 0.5.21+: failed transfers held until prefill drains
+            if pages is not None:
+                out["kv_held_pages"], out["kv_quarantined_pages"] = pages
     tree = getattr(scheduler, "tree_cache", None)
     if tree is not None and hasattr(tree, "evictable_size"):
         out["kv_evictable_tokens"] = int(tree.evictable_size())

@@ -20,20 +20,30 @@ on. If an operator switched it off, ``--kvguard-deferred-release`` decides:
 It must be on on prefill as well: the prefill's own setting decides whether its ABORT
 acknowledgement waits for the drain (D6), so kvguard sets it on every node.
 
-Not covered here: upstream's hold still ends after
-``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s) with "releasing
-anyway" (D5), and releases up to 0.5.20 have no usable hold; kvguard's own decode
-hold is tracked in issue 3.
+Upstream's hold ends after ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``
+(30 s) with "releasing anyway" (D5): the pages go back to the free list although a
+prefill rank never confirmed its writes stopped (a frozen or partitioned prefill).
+kvguard turns that into quarantine: ``_defer_release`` gets an infinite deadline, so
+the request stays held until every rank's drain acknowledgement arrives; a hold
+older than ``--kvguard-quarantine-after`` is reported quarantined (log line naming
+room and pages, ``pages_quarantined{role="decode"}``, gauge
+``kvguard_kv_quarantined_pages``) and is released, counted, if the drain is confirmed
+later. Host-staged destinations (0.5.21+) are never timed out upstream either.
+
+Releases up to 0.5.20 have no usable hold; kvguard's own decode hold for them is
+tracked in issue 3.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Dict
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
 
 from ..config import Flag, register_flag
-from ..engine.guard import ACTIVE, OFF, REFUSED, UPSTREAM, Decision, Guard
+from ..engine.guard import ACTIVE, OFF, REFUSED, Decision, Guard
 from ..engine.targets import target
 
 log = logging.getLogger("sglang_kvguard")
@@ -54,12 +64,12 @@ register_flag(
 DEFER = target(
     "disagg.decode.DecodeTransferQueue._defer_release",
     "sglang.srt.disaggregation.decode:DecodeTransferQueue._defer_release",
-    why="decode: upstream's hold of a failed transfer's pages (checked, not patched)",
+    why="decode: upstream's hold of a failed transfer's pages (deadline made infinite: quarantine, not blind release)",
 )
 RESOLVE = target(
     "disagg.decode.DecodeTransferQueue.resolve_deferred_releases",
     "sglang.srt.disaggregation.decode:DecodeTransferQueue.resolve_deferred_releases",
-    why="decode: upstream releases held pages once every prefill rank acked (checked, not patched)",
+    why="decode: upstream releases held pages once every prefill rank acked (kvguard reports quarantine after it)",
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -79,9 +89,103 @@ def upstream_setting(default: bool) -> bool:
     return default
 
 
+# ----------------------------------------------------------------------------- quarantine instead of a blind release
+
+SINCE = "_kvguard_deferred_since"  # on the transfer queue: id(decode_req) -> [held since, decode_req, quarantined]
+_pages_lock = threading.Lock()
+_pages = {"held": None, "quarantined": 0}  # this process's figures (None: nothing tracked yet)
+_announced = {"done": False}
+
+
+def deferred_pages() -> Optional[Tuple[int, int]]:
+    """(held, quarantined) decode pages of failed transfers in this process, or None."""
+    with _pages_lock:
+        if _pages["held"] is None:
+            return None
+        return int(_pages["held"]), int(_pages["quarantined"])
+
+
+def _page_count(queue, decode_req) -> int:
+    req = decode_req.req
+    ps = getattr(getattr(queue, "scheduler", None), "page_size", None) or getattr(
+        getattr(queue, "tree_cache", None), "page_size", 1) or 1
+    for holder in (getattr(req, "kv", None), req):
+        n = getattr(holder, "kv_committed_len", None) if holder is not None else None
+        if isinstance(n, int):
+            return -(-n // int(ps))
+    return -(-len(getattr(req, "origin_input_ids", ()) or ()) // int(ps))
+
+
+def _defer_release(original: Callable) -> Callable:
+    def _defer_release(self, decode_req, *args, **kwargs):
+        if self.__dict__.get("deferred_kv_release_timeout") != float("inf"):
+            if not _announced["done"]:
+                _announced["done"] = True
+                log.info("kvguard decode_deferred_release: upstream's %s s blind release of held decode pages is "
+                         "replaced by quarantine (held until every prefill rank confirms its drain)",
+                         self.__dict__.get("deferred_kv_release_timeout"))
+            self.deferred_kv_release_timeout = float("inf")
+        since = self.__dict__.setdefault(SINCE, {})
+        since[id(decode_req)] = [time.monotonic(), decode_req, False]
+        return original(self, decode_req, *args, **kwargs)
+
+    return _defer_release
+
+
+def sweep(queue, quarantine_after: float, now: Optional[float] = None) -> None:
+    """Report holds past the bound as quarantined, and holds that ended."""
+    since = queue.__dict__.get(SINCE)
+    if since is None:
+        return
+    from .. import metrics
+
+    now = time.monotonic() if now is None else now
+    held_ids = {id(entry[0]) for entry in getattr(queue, "_deferred_releases", ())}
+    held = quarantined = 0
+    for key, rec in list(since.items()):
+        t0, decode_req, was_quarantined = rec
+        room = getattr(decode_req.req, "bootstrap_room", None)
+        n = _page_count(queue, decode_req)
+        if key not in held_ids:
+            del since[key]
+            if was_quarantined:
+                log.warning("kvguard decode_deferred_release: room %s drained after %.0f s; its %d quarantined "
+                            "page(s) are released", room, now - t0, n)
+                metrics.count("pages_released_from_quarantine", n=n, role="decode")
+            continue
+        held += n
+        if not was_quarantined and now - t0 >= quarantine_after:
+            rec[2] = was_quarantined = True
+            log.error("kvguard decode_deferred_release: room %s (rid=%s) has waited %.0f s for its prefill ranks to "
+                      "confirm that their writes stopped; its %d page(s) are quarantined (kept out of the free list, "
+                      "never freed blind; released if the drain is confirmed later)",
+                      room, getattr(decode_req.req, "rid", "?"), now - t0, n)
+            metrics.count("pages_quarantined", n=n, role="decode")
+        if was_quarantined:
+            quarantined += n
+    with _pages_lock:
+        _pages["held"], _pages["quarantined"] = held, quarantined
+
+
+def _resolve(quarantine_after: float) -> Callable[[Callable], Callable]:
+    def factory(original: Callable) -> Callable:
+        def resolve_deferred_releases(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            try:
+                sweep(self, quarantine_after)
+            except Exception as exc:  # noqa: BLE001 - reporting must not break the decode loop
+                log.warning("kvguard decode_deferred_release: quarantine sweep failed: %s", exc)
+            return out
+
+        return resolve_deferred_releases
+
+    return factory
+
+
 class DecodeDeferredReleaseGuard(Guard):
     name = "decode_deferred_release"
-    protects = "decode pages of a failed or aborted transfer stay held until every prefill rank has drained (0.5.21+)"
+    protects = ("decode pages of a failed or aborted transfer stay held until every prefill rank has drained, "
+                "quarantined instead of released blind (0.5.21+)")
     targets = (DEFER, RESOLVE)
 
     def decide(self, ctx) -> Decision:
@@ -94,17 +198,21 @@ class DecodeDeferredReleaseGuard(Guard):
             )
         ctx.require(DEFER.key)
         ctx.require(RESOLVE.key)
+        patches = (DEFER.key, RESOLVE.key)
         if upstream_setting(default=True):
-            return Decision(UPSTREAM, f"upstream's deferred decode KV release is on ({ENV})")
+            return Decision(ACTIVE, f"upstream's deferred decode KV release is on ({ENV}); its timeout release is "
+                            "replaced by quarantine", patches=patches)
         policy = ctx.config.get("deferred_release")
         if policy == "enable":
-            return Decision(ACTIVE, f"{ENV} was off: kvguard switches it back on", details={"enable": True})
+            return Decision(ACTIVE, f"{ENV} was off: kvguard switches it back on; its timeout release is replaced "
+                            "by quarantine", patches=patches, details={"enable": True})
         if policy == "refuse":
             return Decision(REFUSED, f"{ENV} is off: decode would free pages a prefill rank may still write")
         return Decision(OFF, f"{ENV} is off and --kvguard-deferred-release=allow leaves it off")
 
     def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
-        return {}
+        q = float(ctx.config.get("quarantine_after"))
+        return {DEFER.key: _defer_release, RESOLVE.key: _resolve(q)}
 
     def on_installed(self, ctx) -> None:
         if self.decide(ctx).details.get("enable"):

@@ -1,0 +1,122 @@
+"""Decode pages of an aborted transfer are quarantined, not released blind, while prefill is frozen (0.5.21+).
+
+0.5.21+ decode holds the pages of a failed transfer until every prefill rank
+acknowledges that its writes stopped, but only for
+``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s; 5 s here): then it
+logs "releasing anyway" and frees them, although the writer may still be alive and
+write later (docs/design/page-lifetime.md, D5).
+
+The writer is frozen for real: the prefill scheduler process gets SIGSTOP (its
+Mooncake transfer and bootstrap threads stop with it). A request is sent through the
+router; decode reserves its pages and waits for the transfer; decode then aborts it
+(``/abort_request``), sends ABORT to the frozen prefill and holds the pages.
+
+* Guarded: past ``--kvguard-quarantine-after`` (3 s) the pages are reported
+  quarantined (log, ``kvguard_kv_quarantined_pages``), and past upstream's timeout
+  they are still held. After SIGCONT, prefill acknowledges the drain and decode
+  releases the pages: the pool is back at its idle value.
+* With the guard switched off on decode: upstream releases the pages while the
+  writer is still frozen ("releasing anyway").
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from server_tier import VOCAB
+from sglang_kvguard.demo.deployment import http_request
+from sglang_kvguard.demo.tinymodel import prompt_of_tokens
+from test_admission_load import ARGS, _baseline, resources, settled
+
+pytestmark = pytest.mark.server
+
+TIMEOUT_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "5"}
+PROMPT = 200
+
+
+@pytest.fixture(autouse=True)
+def _needs_upstream_hold(release):
+    if release.version_tuple < (0, 5, 21):
+        pytest.skip("upstream's deferred decode release (and its timeout) exists from 0.5.21")
+
+
+def _scheduler_pid(d, role: str) -> int:
+    m = re.findall(r"pid=(\d+) process=scheduler", d.log_text(role))
+    assert m, f"no scheduler pid in the {role} log"
+    return int(m[-1])
+
+
+def _abort_on_decode_while_prefill_is_frozen(d, rid: str):
+    """SIGSTOP prefill's scheduler, send a request, abort it on decode once decode holds
+    its pages. Returns (prefill scheduler pid, client thread, baseline usable tokens)."""
+    before = _baseline(d, "decode")
+    pid = _scheduler_pid(d, "prefill")
+    os.kill(pid, signal.SIGSTOP)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=d.generate(
+        prompt_of_tokens(PROMPT, vocab=VOCAB, offset=3), max_new_tokens=4, timeout=30, rid=rid)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        got = resources(d, "decode")
+        if got["kvguard_kv_free_tokens"] + got["kvguard_kv_evictable_tokens"] < before[0]:
+            break  # decode reserved the pages and waits for the frozen prefill
+        time.sleep(0.3)
+    else:
+        os.kill(pid, signal.SIGCONT)
+        pytest.fail("decode never reserved pages for the request")
+    http_request(d.decode_url + "/abort_request", {"rid": rid}, timeout=30)
+    return pid, t, before
+
+
+def test_frozen_prefill_quarantines_decode_pages_until_it_drains(pd_factory):
+    d = pd_factory("guarded-quarantine", launcher="sglang_kvguard.launch_server",
+                   prefill_extra_args=ARGS, decode_extra_args=ARGS + ["--kvguard-quarantine-after", "3"],
+                   env=TIMEOUT_ENV, router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
+    rid = "kvguard-frozen-1"
+    pid, t, before = _abort_on_decode_while_prefill_is_frozen(d, rid)
+    try:
+        time.sleep(9)  # past the quarantine bound (3 s) and upstream's timeout (5 s)
+        log = d.log_text("decode")
+        assert "releasing anyway" not in log, log[-3000:]
+        assert re.search(r"room \d+ \(rid=kvguard-frozen-1\) has waited \d+ s .* quarantined", log), log[-3000:]
+        time.sleep(1.5)  # one more sample of the gauges
+        got = resources(d, "decode")
+        assert got["kvguard_kv_free_tokens"] + got["kvguard_kv_evictable_tokens"] < before[0], "pages released blind"
+        text = http_request(d.decode_url + "/metrics", timeout=30).text
+        m = re.search(r"^kvguard_kv_quarantined_pages\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+        assert m and float(m.group(1)) >= PROMPT // 16, m and m.group(0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    after = settled(d, "decode", before, timeout=60)
+    assert (after["usable_tokens"], after["metadata_free_slots"]) == before, (before, after)
+    log = d.log_text("decode")
+    assert re.search(r"room \d+ drained after \d+ s; its \d+ quarantined page\(s\) are released", log), log[-3000:]
+    t.join(60)
+    assert not t.is_alive()
+    ok = d.generate(prompt_of_tokens(40, vocab=VOCAB, offset=1), max_new_tokens=4, timeout=60)
+    assert ok.status == 200, ok
+    assert "Traceback" not in log
+
+
+def test_without_the_guard_upstream_releases_while_prefill_is_frozen(pd_factory):
+    d = pd_factory("unguarded-quarantine", launcher="sglang_kvguard.launch_server",
+                   prefill_extra_args=ARGS, decode_extra_args=ARGS + ["--kvguard-disable=decode_deferred_release"],
+                   env=TIMEOUT_ENV, router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
+    pid, t, before = _abort_on_decode_while_prefill_is_frozen(d, "kvguard-frozen-2")
+    try:
+        deadline = time.monotonic() + 30
+        while "releasing anyway" not in d.log_text("decode") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "releasing anyway" in d.log_text("decode")
+        after = settled(d, "decode", before, timeout=10)
+        assert (after["usable_tokens"], after["metadata_free_slots"]) == before, \
+            "upstream gave the pages back while the writer was still frozen"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    t.join(60)
