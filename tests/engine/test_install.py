@@ -12,7 +12,7 @@ NEW = Version(RELEASE) >= Version("0.5.21")
 
 # every guard that wraps the scheduler constructor, in wrapping order
 SCHEDULER_INIT_GUARDS = (
-    "activation", "decode_admission_fit", "pool_capacity_check", "prefill_admission_fit", "prefill_source_hold",
+    "activation", "decode_admission_fit", "page_generation", "pool_capacity_check", "prefill_admission_fit", "prefill_source_hold",
 )
 
 
