@@ -61,6 +61,7 @@ ROLE = "decode"
 ATTR = "_kvguard_generations"  # on the allocator: its GenerationTable
 REQ_ATTR = "_kvguard_generation_row"  # on a Req: the row kvguard recorded for it
 TAGGED_ALLOCATORS = ("PagedTokenToKVPoolAllocator", "TokenToKVPoolAllocator")
+_warned = {"check": False}
 
 
 def req_row(req) -> Optional[int]:
@@ -342,16 +343,25 @@ def _update_running_batch(original: Callable) -> Callable:
         table = table_of(getattr(self, "token_to_kv_pool_allocator", None))
         if table is None or batch is None or not getattr(batch, "reqs", None):
             return original(self, batch, *args, **kwargs)
-        live = [i for i, r in enumerate(batch.reqs) if not r.finished()]
+        live = [i for i, r in enumerate(batch.reqs) if not r.finished() and req_row(r) is not None]
         if live:
-            bad = table.mismatched([batch.reqs[i] for i in live])
+            try:
+                bad = table.mismatched([batch.reqs[i] for i in live])
+            except Exception as exc:  # noqa: BLE001 - a check that cannot run must not kill the scheduler
+                from .. import metrics
+
+                metrics.count("generation_check_errors")
+                log.error("kvguard page_generation: the batch check failed (this step is not verified): %s", exc,
+                          exc_info=not _warned["check"])
+                _warned["check"] = True
+                bad = []
             if bad:
                 fail_mismatched(self, batch, [live[i] for i in bad], table)
         out = original(self, batch, *args, **kwargs)
         res = out if out is not None else batch
         try:
             if getattr(res, "reqs", None) and getattr(res, "seq_lens", None) is not None \
-                    and len(res.seq_lens) == len(res.reqs):
+                    and len(res.seq_lens) == len(res.reqs) and all(req_row(r) is not None for r in res.reqs):
                 table.extend(res.reqs, res.seq_lens)
         except Exception as exc:  # noqa: BLE001
             log.error("kvguard page_generation: recording the step's new pages failed: %s", exc)
