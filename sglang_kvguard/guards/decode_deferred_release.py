@@ -30,17 +30,14 @@ room and pages, ``pages_quarantined{role="decode"}``, gauge
 ``kvguard_kv_quarantined_pages``) and is released, counted, if the drain is confirmed
 later. Host-staged destinations (0.5.21+) are never timed out upstream either.
 
-0.5.19-0.5.20 ship the same hold as an opt-in (off by default) that never works:
-nothing arms its drain-acknowledgement tracker (``register_deferred_abort_room`` is
-never called), so every ack from prefill is dropped and every hold ends in the
-timeout's blind release. kvguard switches it on, arms the tracker when decode sends
-its ABORT (``CommonKVReceiver._send_abort_notification``) and applies the same
-quarantine. What remains uncovered there: a failure reported by one of several
-prefill ranks is released at once (upstream holds only decode-initiated aborts and
-timeouts on these releases; hazard D4).
-
-Releases up to 0.5.18 have no hold; kvguard's own decode hold for them is tracked in
-issue 3.
+0.5.19-0.5.20 ship the same hold as an opt-in (off by default) that does not work
+as shipped: nothing arms its drain-acknowledgement tracker
+(``register_deferred_abort_room`` is never called), so every ack is dropped and every
+hold ends in the timeout's blind release; and prefill does not ack a room it already
+concluded while a chunk of it is still counted outstanding. Switched on with the
+tracker armed by kvguard, holds were seen never to release under aborts on 0.5.19
+(CI, tests/server/test_abort_phases.py). kvguard leaves these releases alone (state
+``off``); its own decode hold for 0.5.10-0.5.20 is tracked in issue 3.
 """
 
 from __future__ import annotations
@@ -79,12 +76,6 @@ RESOLVE = target(
     "disagg.decode.DecodeTransferQueue.resolve_deferred_releases",
     "sglang.srt.disaggregation.decode:DecodeTransferQueue.resolve_deferred_releases",
     why="decode: upstream releases held pages once every prefill rank acked (kvguard reports quarantine after it)",
-)
-
-ARM = target(
-    "disagg.common.CommonKVReceiver._send_abort_notification",
-    "sglang.srt.disaggregation.common.conn:CommonKVReceiver._send_abort_notification",
-    why="decode, 0.5.19-0.5.20: sends ABORT to prefill; kvguard arms the drain-ack tracker first",
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -147,19 +138,6 @@ def _defer_release(original: Callable) -> Callable:
     return _defer_release
 
 
-def _arm_before_abort(original: Callable) -> Callable:
-    """0.5.19-0.5.20: count prefill's drain acks for this room (upstream never arms the tracker)."""
-
-    def _send_abort_notification(self, *args, **kwargs):
-        mgr = getattr(self, "kv_mgr", None)
-        room = getattr(self, "bootstrap_room", None)
-        if mgr is not None and room is not None and getattr(mgr, "enable_deferred_decode_kv_release", False):
-            mgr.register_deferred_abort_room(room)
-        return original(self, *args, **kwargs)
-
-    return _send_abort_notification
-
-
 def sweep(queue, quarantine_after: float, now: Optional[float] = None) -> None:
     """Report holds past the bound as quarantined, and holds that ended."""
     since = queue.__dict__.get(SINCE)
@@ -213,39 +191,34 @@ def _resolve(quarantine_after: float) -> Callable[[Callable], Callable]:
 class DecodeDeferredReleaseGuard(Guard):
     name = "decode_deferred_release"
     protects = ("decode pages of a failed or aborted transfer stay held until every prefill rank has drained, "
-                "quarantined instead of released blind (0.5.19+)")
-    targets = (DEFER, RESOLVE, ARM)
+                "quarantined instead of released blind (0.5.21+)")
+    targets = (DEFER, RESOLVE)
 
     def decide(self, ctx) -> Decision:
         v = ctx.version
-        if v is None or v.release[:3] < (0, 5, 19) or not ctx.has(DEFER.key):
-            return Decision(OFF, "this release frees decode pages of a failed transfer at once; kvguard's own "
-                            "decode hold is not built yet")
+        if v is None or v.release[:3] < (0, 5, 21) or not ctx.has(DEFER.key):
+            return Decision(
+                OFF,
+                "this release frees decode pages of a failed transfer at once (0.5.19-0.5.20 only with an "
+                f"experimental {ENV}=1 that never counts prefill's acks); kvguard's own decode hold is not built yet",
+            )
         ctx.require(DEFER.key)
         ctx.require(RESOLVE.key)
         patches = (DEFER.key, RESOLVE.key)
-        opt_in = v.release[:3] < (0, 5, 21)
-        extra = ""
-        if opt_in:
-            ctx.require(ARM.key)
-            patches += (ARM.key,)
-            extra = ("; kvguard arms its drain-ack tracker (upstream never does on 0.5.19-0.5.20); a Failed from "
-                     "one of several prefill ranks is still released at once (D4)")
-        if upstream_setting(default=not opt_in):
+        if upstream_setting(default=True):
             return Decision(ACTIVE, f"upstream's deferred decode KV release is on ({ENV}); its timeout release is "
-                            f"replaced by quarantine{extra}", patches=patches)
+                            "replaced by quarantine", patches=patches)
         policy = ctx.config.get("deferred_release")
         if policy == "enable":
-            was = "off by default on this release" if opt_in else "was off"
-            return Decision(ACTIVE, f"{ENV} {was}: kvguard switches it on; its timeout release is replaced by "
-                            f"quarantine{extra}", patches=patches, details={"enable": True})
+            return Decision(ACTIVE, f"{ENV} was off: kvguard switches it back on; its timeout release is replaced "
+                            "by quarantine", patches=patches, details={"enable": True})
         if policy == "refuse":
             return Decision(REFUSED, f"{ENV} is off: decode would free pages a prefill rank may still write")
         return Decision(OFF, f"{ENV} is off and --kvguard-deferred-release=allow leaves it off")
 
     def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
         q = float(ctx.config.get("quarantine_after"))
-        return {DEFER.key: _defer_release, RESOLVE.key: _resolve(q), ARM.key: _arm_before_abort}
+        return {DEFER.key: _defer_release, RESOLVE.key: _resolve(q)}
 
     def on_installed(self, ctx) -> None:
         if self.decide(ctx).details.get("enable"):

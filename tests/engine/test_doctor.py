@@ -118,14 +118,14 @@ def _deferred(*args, **env):
 
 
 def test_decode_deferred_release_per_release_and_policy():
-    new = Version(RELEASE) >= Version("0.5.19")
+    new = Version(RELEASE) >= Version("0.5.21")
     out, got = _deferred()
     assert out.returncode == 0, out.stderr[-3000:]
     if not new:
         assert got["state"] == "off" and "not built yet" in got["reason"], got
         return
-    # upstream's hold is on by default on 0.5.21+ (kvguard switches the 0.5.19-0.5.20 opt-in on); kvguard
-    # wraps it to quarantine instead of its 30 s blind release
+    # upstream's hold is on by default on 0.5.21+; kvguard wraps it to quarantine instead of its 30 s
+    # blind release
     assert got == {"state": "active", "reason": got["reason"], "upstream_reads": True}, got
     assert "quarantine" in got["reason"], got
 

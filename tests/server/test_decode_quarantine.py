@@ -1,11 +1,10 @@
-"""Decode pages of an aborted transfer are quarantined, not released blind, while prefill is frozen (0.5.19+).
+"""Decode pages of an aborted transfer are quarantined, not released blind, while prefill is frozen (0.5.21+).
 
 0.5.21+ decode holds the pages of a failed transfer until every prefill rank
 acknowledges that its writes stopped, but only for
 ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s; 5 s here): then it
 logs "releasing anyway" and frees them, although the writer may still be alive and
-write later (docs/design/page-lifetime.md, D5). 0.5.19-0.5.20 have the hold as an
-opt-in that is off by default (and never counts prefill's acks): they free at once.
+write later (docs/design/page-lifetime.md, D5).
 
 The writer is frozen for real: the prefill scheduler process gets SIGSTOP (its
 Mooncake transfer and bootstrap threads stop with it). A request is sent through the
@@ -42,8 +41,9 @@ PROMPT = 200
 
 @pytest.fixture(autouse=True)
 def _needs_upstream_hold(release):
-    if release.version_tuple < (0, 5, 19):
-        pytest.skip("upstream's deferred decode release (and its timeout) exists from 0.5.19")
+    if release.version_tuple < (0, 5, 21):
+        pytest.skip("kvguard quarantines upstream's deferred decode release from 0.5.21 (0.5.19-0.5.20's opt-in "
+                    "is left off: it does not count prefill's acks)")
 
 
 def _scheduler_pid(d, role: str) -> int:
@@ -105,18 +105,17 @@ def test_frozen_prefill_quarantines_decode_pages_until_it_drains(pd_factory):
     assert "Traceback" not in log
 
 
-def test_without_the_guard_upstream_releases_while_prefill_is_frozen(pd_factory, release):
+def test_without_the_guard_upstream_releases_while_prefill_is_frozen(pd_factory):
     d = pd_factory("unguarded-quarantine", launcher="sglang_kvguard.launch_server",
                    prefill_extra_args=ARGS, decode_extra_args=ARGS + ["--kvguard-disable=decode_deferred_release"],
                    env=TIMEOUT_ENV, router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
     pid, t, before = _abort_on_decode_while_prefill_is_frozen(d, "kvguard-frozen-2")
     try:
-        # 0.5.21+: held, then "releasing anyway" after the timeout; 0.5.19-0.5.20 (opt-in off): freed at once
+        # held, then "releasing anyway" after upstream's timeout
         after = settled(d, "decode", before, timeout=30)
         assert (after["usable_tokens"], after["metadata_free_slots"]) == before, \
             "upstream gave the pages back while the writer was still frozen"
-        if release.version_tuple >= (0, 5, 21):
-            assert "releasing anyway" in d.log_text("decode")
+        assert "releasing anyway" in d.log_text("decode")
     finally:
         os.kill(pid, signal.SIGCONT)
     t.join(60)
