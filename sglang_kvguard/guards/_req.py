@@ -41,3 +41,20 @@ def is_unadmitted_reject(req) -> bool:
 
 def abort_reason(req):
     return getattr(req, "finished_reason", None) or getattr(req, "to_finish", None)
+
+
+def req_row(req):
+    """The request's req_to_token row: ``req.req_pool_idx`` (<= 0.5.18) or ``req.kv.req_pool_idx`` (0.5.19+)."""
+    kv = getattr(req, "kv", None)
+    if kv is not None and hasattr(kv, "req_pool_idx"):
+        return kv.req_pool_idx
+    return getattr(req, "req_pool_idx", None)
+
+
+def committed_len(req):
+    """Tokens of KV the request holds: ``kv_committed_len`` on ``req.kv`` (0.5.16+) or on ``req``; None if absent."""
+    for holder in (getattr(req, "kv", None), req):
+        n = getattr(holder, "kv_committed_len", None) if holder is not None else None
+        if isinstance(n, int):
+            return n
+    return None

@@ -51,6 +51,7 @@ from typing import Callable, Dict, Optional, Tuple
 from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, OFF, REFUSED, Decision, Guard
 from ..engine.targets import target
+from ._req import committed_len
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -115,11 +116,10 @@ def _page_count(queue, decode_req) -> int:
     req = decode_req.req
     ps = getattr(getattr(queue, "scheduler", None), "page_size", None) or getattr(
         getattr(queue, "tree_cache", None), "page_size", 1) or 1
-    for holder in (getattr(req, "kv", None), req):
-        n = getattr(holder, "kv_committed_len", None) if holder is not None else None
-        if isinstance(n, int):
-            return -(-n // int(ps))
-    return -(-len(getattr(req, "origin_input_ids", ()) or ()) // int(ps))
+    n = committed_len(req)
+    if n is None:
+        n = len(getattr(req, "origin_input_ids", ()) or ())
+    return -(-n // int(ps))
 
 
 def _defer_release(original: Callable) -> Callable:

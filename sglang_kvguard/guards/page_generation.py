@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional
 from ..activation import SCHEDULER_INIT
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
+from ._req import committed_len, req_row
 from .prefill_source_hold import PAGED_FREE, PAGED_RELEASE, TOKEN_FREE, _in_free_group
 
 log = logging.getLogger("sglang_kvguard")
@@ -66,22 +67,6 @@ ATTR = "_kvguard_generations"  # on the allocator: its GenerationTable
 REQ_ATTR = "_kvguard_generation_row"  # on a Req: the row kvguard recorded for it
 TAGGED_ALLOCATORS = ("PagedTokenToKVPoolAllocator", "TokenToKVPoolAllocator")
 _warned = {"check": False}
-
-
-def req_row(req) -> Optional[int]:
-    """``req.req_pool_idx`` (<= 0.5.18) or ``req.kv.req_pool_idx`` (0.5.19+)."""
-    kv = getattr(req, "kv", None)
-    if kv is not None and hasattr(kv, "req_pool_idx"):
-        return kv.req_pool_idx
-    return getattr(req, "req_pool_idx", None)
-
-
-def _committed_len(req) -> Optional[int]:
-    for holder in (getattr(req, "kv", None), req):
-        n = getattr(holder, "kv_committed_len", None) if holder is not None else None
-        if isinstance(n, int):
-            return n
-    return None
 
 
 class GenerationTable:
@@ -242,7 +227,7 @@ def _pre_alloc(original: Callable) -> Callable:
         try:
             table = table_of(getattr(self, "token_to_kv_pool_allocator", None))
             if table is not None:
-                row, n = req_row(req), _committed_len(req)
+                row, n = req_row(req), committed_len(req)
                 total_prefix = kwargs.get("total_prefix_len")
                 prefix = kwargs.get("prefix_len") or 0
                 if row is None or n is None or (total_prefix is not None and total_prefix > prefix):
