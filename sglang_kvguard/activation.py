@@ -72,6 +72,11 @@ def _role(server_args) -> str:
     return str(mode) if mode is not None else ""
 
 
+def pd_role(scheduler_or_args) -> str:
+    """The PD role of a scheduler (or its server args): "prefill", "decode", "null" or ""."""
+    return _role(scheduler_or_args)
+
+
 def where(process: str = "", role: str = "") -> str:
     if not process:
         process = multiprocessing.current_process().name if spawned_child() else "main"

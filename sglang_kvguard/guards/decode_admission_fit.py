@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, Optional
 
-from ..activation import SCHEDULER_INIT
+from ..activation import SCHEDULER_INIT, pd_role
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 
@@ -49,8 +49,7 @@ def fit_scheduler(scheduler) -> Optional[int]:
     """Lower a decode scheduler's ``max_req_input_len``; returns the new value if lowered."""
     from .. import metrics
 
-    mode = getattr(scheduler, "disaggregation_mode", None)
-    if str(getattr(mode, "value", mode)) != "decode":
+    if pd_role(scheduler) != "decode":
         return None
     if getattr(scheduler, "enable_hisparse", False):
         log.info("kvguard decode_admission_fit: HiSparse decode admits from host memory; bound not applied")

@@ -40,6 +40,7 @@ import time
 import urllib.request
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..activation import pd_role
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from . import admission_drain, rejection_notice
@@ -226,8 +227,7 @@ def _on_decode_drain(prealloc_queue, req) -> None:
 
 def _retire_unadmitted(original: Callable) -> Callable:
     def retire_unadmitted_request(self, req, *args, **kwargs):
-        mode = getattr(self, "disaggregation_mode", None)
-        if str(getattr(mode, "value", mode)) == "decode":
+        if pd_role(self) == "decode":
             notify_prefill(getattr(self, "disagg_decode_prealloc_queue", None), req)
         return original(self, req, *args, **kwargs)
 

@@ -29,12 +29,19 @@ A request whose row was not recorded by kvguard (a path that does not go through
 ``_pre_alloc``) is recorded on first sight instead of being compared against a
 stale record of the row's previous owner (``generation_first_seen`` counter).
 
+With decode's radix cache on (``--disaggregation-decode-enable-radix-cache``), the
+cache rewrites a request's row when it inserts the request's prefix
+(``ScheduleBatchDisaggregationDecodeMixin.process_prebuilt`` ->
+``cache_unfinished_req`` / ``checkpoint_kv_cache``): pages that duplicate what the
+tree already holds are freed and the row points at the tree's pages instead (found
+on 0.5.19: records that did not follow gave false mismatches). kvguard checks the
+batch's records just before that insert and records the rewritten rows just after
+it. A request whose check fails there is barred from the tree
+(``skip_radix_cache_insert``: pages another request now owns never become a shared
+prefix) and is failed closed by the next batch check.
+
 Hybrid pools (SWA / Mamba / hisparse allocators) are not tagged; the guard says so
-once in the log. A decode with its radix cache on
-(``--disaggregation-decode-enable-radix-cache``) is not tagged either: the cache
-rewrites running requests' rows when it dedups their prefix (seen on 0.5.19: false
-mismatches), which the records do not follow yet; the log says so at start-up
-(ERROR) and ``generation_tags_unsupported`` counts it.
+once in the log.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import logging
 from http import HTTPStatus
 from typing import Callable, Dict, List, Optional
 
-from ..activation import SCHEDULER_INIT
+from ..activation import SCHEDULER_INIT, pd_role
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from ._req import committed_len, req_row
@@ -55,6 +62,11 @@ PRE_ALLOC = target(
     "disagg.decode.DecodePreallocQueue._pre_alloc",
     "sglang.srt.disaggregation.decode:DecodePreallocQueue._pre_alloc",
     why="decode: reserves a request's row and pages for the incoming transfer",
+)
+PROCESS_PREBUILT = target(
+    "disagg.decode.ScheduleBatchDisaggregationDecodeMixin.process_prebuilt",
+    "sglang.srt.disaggregation.decode_schedule_batch_mixin:ScheduleBatchDisaggregationDecodeMixin.process_prebuilt",
+    why="decode: inserts each new request's prefix into the radix cache, which may rewrite its row",
 )
 UPDATE_RUNNING_BATCH = target(
     "scheduler.Scheduler.update_running_batch",
@@ -103,6 +115,26 @@ class GenerationTable:
                                    self.page_size)
         setattr(req, REQ_ATTR, row)
         self.stats["recorded"] += 1
+
+    def record_rows(self, reqs) -> None:
+        """Record whole rows (up to each request's committed length) in one kernel call."""
+        from .. import kernels
+
+        kept, rows, ends = [], [], []
+        for r in reqs:
+            row, n = req_row(r), committed_len(r)
+            if row is None or n is None:
+                continue
+            kept.append(r)
+            rows.append(row)
+            ends.append(min(-(-int(n) // self.page_size), self.width))
+        if not rows:
+            return
+        kernels.record_generations(self.gens, self.req_to_token, self.rec, self.rec_len, rows, [0] * len(rows), ends,
+                                   self.page_size)
+        for r, row in zip(kept, rows):
+            setattr(r, REQ_ATTR, row)
+        self.stats["recorded"] += len(rows)
 
     def _rows(self, reqs) -> List[int]:
         return [req_row(r) for r in reqs]
@@ -327,6 +359,47 @@ def fail_mismatched(sched, batch, indices: List[int], table: GenerationTable) ->
         _send_abort(sched, req, reason.to_json())
 
 
+def checked_insert(table: GenerationTable, reqs, insert: Callable[[], object]):
+    """Run ``insert`` (the radix insert that may rewrite rows) between a check and a record.
+
+    Before: the requests' records are checked; a request with a mismatch is barred from
+    the radix cache (its pages may belong to another request now) and keeps its old
+    records, so the next batch check fails it closed. After: every other request's row
+    is recorded again, following any rewrite the insert did (prefix dedup)."""
+    live = [r for r in reqs if not r.finished() and req_row(r) is not None]
+    bad: set = set()
+    if live:
+        try:
+            for i in table.mismatched(live):
+                bad.add(id(live[i]))
+                live[i].skip_radix_cache_insert = True
+                log.error("kvguard page_generation: rid=%s has a page that changed owner before its prefix was "
+                          "cached; it is kept out of the radix cache and fails at the next batch check",
+                          getattr(live[i], "rid", "?"))
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run must not kill the scheduler
+            from .. import metrics
+
+            metrics.count("generation_check_errors")
+            log.error("kvguard page_generation: the check before the radix insert failed: %s", exc)
+    out = insert()
+    if live:
+        try:
+            table.record_rows([r for r in live if id(r) not in bad])
+        except Exception as exc:  # noqa: BLE001
+            log.error("kvguard page_generation: recording rows after the radix insert failed: %s", exc)
+    return out
+
+
+def _process_prebuilt(original: Callable) -> Callable:
+    def process_prebuilt(self, *args, **kwargs):
+        table = table_of(getattr(self, "token_to_kv_pool_allocator", None))
+        if table is None or not getattr(self, "reqs", None):
+            return original(self, *args, **kwargs)
+        return checked_insert(table, list(self.reqs), lambda: original(self, *args, **kwargs))
+
+    return process_prebuilt
+
+
 def _update_running_batch(original: Callable) -> Callable:
     def update_running_batch(self, batch, *args, **kwargs):
         table = table_of(getattr(self, "token_to_kv_pool_allocator", None))
@@ -365,30 +438,21 @@ def _update_running_batch(original: Callable) -> Callable:
 def _scheduler_init(original: Callable) -> Callable:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        mode = getattr(self, "disaggregation_mode", None)
-        if str(getattr(mode, "value", mode)) != ROLE:
+        if pd_role(self) != ROLE:
             return
         alloc = getattr(self, "token_to_kv_pool_allocator", None)
         r2t = getattr(self, "req_to_token_pool", None)
         if alloc is None or r2t is None or not hasattr(r2t, "req_to_token"):
             return
-        tree = getattr(self, "tree_cache", None)
-        if tree is not None and not getattr(tree, "disable", True) and type(tree).__name__ != "ChunkCache":
-            # --disaggregation-decode-enable-radix-cache: the cache rewrites running requests' rows
-            # (prefix dedup frees their duplicate pages), which these records do not follow yet.
-            from .. import metrics
-
-            metrics.count("generation_tags_unsupported")
-            log.error("kvguard page_generation: NOT active on this decode scheduler: its radix cache (%s) rewrites "
-                      "running requests' rows, which generation records do not follow yet; the other guards stay on",
-                      type(tree).__name__)
-            return
         table = bind(alloc, r2t)
         if table is not None:
+            tree = getattr(self, "tree_cache", None)
+            radix = tree is not None and not getattr(tree, "disable", True) and type(tree).__name__ != "ChunkCache"
             log.info(
                 "kvguard page_generation: decode pages carry generation tags (%d pages, page size %d); every "
-                "decode batch is checked against its requests' records before the forward",
+                "decode batch is checked against its requests' records before the forward%s",
                 table.gens.numel() - 1, table.page_size,
+                f"; rows rewritten by the radix cache ({type(tree).__name__}) are recorded again" if radix else "",
             )
 
     return __init__
@@ -397,10 +461,11 @@ def _scheduler_init(original: Callable) -> Callable:
 class PageGenerationGuard(Guard):
     name = "page_generation"
     protects = "decode never reads a KV page that was freed or handed to another request after it recorded it"
-    targets = (SCHEDULER_INIT, PAGED_FREE, PAGED_RELEASE, TOKEN_FREE, PRE_ALLOC, UPDATE_RUNNING_BATCH)
+    targets = (SCHEDULER_INIT, PAGED_FREE, PAGED_RELEASE, TOKEN_FREE, PRE_ALLOC, PROCESS_PREBUILT,
+               UPDATE_RUNNING_BATCH)
 
     def decide(self, ctx) -> Decision:
-        patches = [SCHEDULER_INIT.key, TOKEN_FREE.key, PRE_ALLOC.key, UPDATE_RUNNING_BATCH.key]
+        patches = [SCHEDULER_INIT.key, TOKEN_FREE.key, PRE_ALLOC.key, PROCESS_PREBUILT.key, UPDATE_RUNNING_BATCH.key]
         patches.append(PAGED_RELEASE.key if ctx.has(PAGED_RELEASE.key) else PAGED_FREE.key)
         for key in patches:
             ctx.require(key)
@@ -415,5 +480,6 @@ class PageGenerationGuard(Guard):
             PAGED_RELEASE.key: _paged_release,
             TOKEN_FREE.key: _token_free,
             PRE_ALLOC.key: _pre_alloc,
+            PROCESS_PREBUILT.key: _process_prebuilt,
             UPDATE_RUNNING_BATCH.key: _update_running_batch,
         }

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict
 
-from ..activation import SCHEDULER_INIT
+from ..activation import SCHEDULER_INIT, pd_role
 from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
@@ -62,8 +62,7 @@ class PoolTooSmall(RuntimeError):
 
 
 def _role(scheduler) -> str:
-    mode = getattr(scheduler, "disaggregation_mode", None)
-    return str(getattr(mode, "value", mode) or "null")
+    return pd_role(scheduler) or "null"
 
 
 def check_scheduler(scheduler, policy: str) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, Optional
 
-from ..activation import SCHEDULER_INIT
+from ..activation import SCHEDULER_INIT, pd_role
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 
@@ -69,8 +69,7 @@ def fit_scheduler(scheduler, page_overhead: bool) -> Optional[int]:
     """Lower a prefill scheduler's ``max_req_input_len``; returns the new value if lowered."""
     from .. import metrics
 
-    mode = getattr(scheduler, "disaggregation_mode", None)
-    if str(getattr(mode, "value", mode)) != "prefill":
+    if pd_role(scheduler) != "prefill":
         return None
     pool = int(scheduler.max_total_num_tokens)
     overhead = admission_overhead(scheduler, page_overhead)

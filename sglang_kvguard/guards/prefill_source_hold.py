@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Callable, Dict, List
 
-from ..activation import SCHEDULER_INIT
+from ..activation import SCHEDULER_INIT, pd_role
 from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
@@ -469,8 +469,7 @@ def _scheduler_init(quarantine_after: float) -> Callable[[Callable], Callable]:
     def factory(original: Callable) -> Callable:
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            mode = getattr(self, "disaggregation_mode", None)
-            if str(getattr(mode, "value", mode)) != ROLE:
+            if pd_role(self) != ROLE:
                 return
             alloc = getattr(self, "token_to_kv_pool_allocator", None)
             if alloc is None:

@@ -63,6 +63,13 @@ def test_200_normal_requests_pass_every_check(guarded):
 
     log = guarded.log_text("decode")
     assert "failed closed" not in log, [l for l in log.splitlines() if "failed closed" in l][:3]
+    # page_generation checked every batch (radix cache on from 0.5.19: rows it rewrites are recorded again)
+    assert "decode pages carry generation tags" in log
+    if guarded.release.version_tuple >= (0, 5, 19):
+        assert "are recorded again" in log
+    for bad in ("kept out of the radix cache", "check failed", "check before the radix insert failed",
+                "recording rows after the radix insert failed", "NOT active"):
+        assert bad not in log, [l for l in log.splitlines() if bad in l][:3]
     assert "could not checksum" not in guarded.log_text("prefill")
     metrics = http_request(guarded.decode_url + "/metrics", timeout=30).text
     m = re.search(r'^kvguard_events_total\{event="coverage_verified"[^}]*\} ([0-9.e+]+)$', metrics, re.M)
