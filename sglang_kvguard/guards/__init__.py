@@ -3,6 +3,7 @@
 from .admission_drain import AdmissionDrainGuard
 from .decode_admission_fit import DecodeAdmissionFitGuard
 from .decode_deferred_release import DecodeDeferredReleaseGuard
+from .decode_destination_hold import DecodeDestinationHoldGuard
 from .decode_rejection_notice import DecodeRejectionNoticeGuard
 from .destination_canary import DestinationCanaryGuard
 from .empty_prompt import EmptyPromptGuard
@@ -28,6 +29,7 @@ GUARDS = [
     MooncakeBatchBoundGuard,
     PageGenerationGuard,  # inside prefill_source_hold on the shared free sinks: tags what is really freed
     PrefillSourceHoldGuard,
+    DecodeDestinationHoldGuard,  # uses prefill_source_hold's free-sink diversion and chunk counts
     DecodeDeferredReleaseGuard,
     PrefillAdmissionFitGuard,
     DecodeAdmissionFitGuard,

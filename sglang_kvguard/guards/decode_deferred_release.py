@@ -200,7 +200,8 @@ class DecodeDeferredReleaseGuard(Guard):
             return Decision(
                 OFF,
                 "this release frees decode pages of a failed transfer at once (0.5.19-0.5.20 only with an "
-                f"experimental {ENV}=1 that never counts prefill's acks); kvguard's own decode hold is not built yet",
+                f"experimental {ENV}=1 that never counts prefill's acks); kvguard's own hold there is "
+                "decode_destination_hold",
             )
         ctx.require(DEFER.key)
         ctx.require(RESOLVE.key)

@@ -36,6 +36,7 @@ from ..activation import SCHEDULER_INIT, pd_role
 from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
+from .. import transfer_drain
 from ..page_hold import HOLDS, PageHold, hold_for_allocator
 
 log = logging.getLogger("sglang_kvguard")
@@ -152,18 +153,21 @@ class _PinningQueue:
     def put(self, item, *args, **kwargs):
         if item is not None and self.consumer_wrapped:
             pages = _chunk_pages(item)
+            room = getattr(item, "room", None)
             self._hold.pin(pages)
+            transfer_drain.enqueued(room)
             try:
                 return self._kvguard_inner.put(item, *args, **kwargs)
             except BaseException:
                 self._hold.unpin(pages)
+                transfer_drain.finished(room)
                 raise
         return self._kvguard_inner.put(item, *args, **kwargs)
 
     def get(self, *args, **kwargs):
         self.finish_current()
         item = self._kvguard_inner.get(*args, **kwargs)
-        self._local.current = (_chunk_pages(item), []) if item is not None else None
+        self._local.current = (_chunk_pages(item), [], getattr(item, "room", None)) if item is not None else None
         return item
 
     def track_future(self, fut) -> None:
@@ -178,10 +182,11 @@ class _PinningQueue:
         self._local.current = None
         if cur is None:
             return
-        pages, futures = cur
+        pages, futures, room = cur
         running = [f for f in futures if not f.done()]
         if not running:
             self._hold.unpin(pages)
+            transfer_drain.finished(room)
             return
         left = {"n": len(running)}
         lock = threading.Lock()
@@ -192,6 +197,7 @@ class _PinningQueue:
                 last = left["n"] == 0
             if last:
                 self._hold.unpin(pages)
+                transfer_drain.finished(room)
 
         for f in running:
             f.add_done_callback(done)
@@ -261,7 +267,13 @@ def _add_transfer_request(original: Callable) -> Callable:
         queues = getattr(self, "transfer_queues", None)
         if queues and not isinstance(queues[0], _PinningQueue):
             _pinning_queues(self)
-        return original(self, *args, **kwargs)
+        room = args[0] if args else kwargs.get("bootstrap_room")
+        # A room whose decode asked kvguard for its drain gets no further chunk: the ack
+        # promised decode that nothing more is written into its pages.
+        with transfer_drain.locked():
+            if not transfer_drain.gate_chunk(self, room):
+                return None
+            return original(self, *args, **kwargs)
 
     return add_transfer_request
 
@@ -386,8 +398,8 @@ def _alloc_waits_for_held_pages(original: Callable) -> Callable:
         if out is not None:
             return out
         hold = hold_for_allocator(self)
-        if hold is None or not hold.held_pages():
-            return out
+        if hold is None or hold.role != ROLE or not hold.held_pages():
+            return out  # decode never blocks its scheduler on a stuck prefill: admission just waits
         deadline = time.monotonic() + ALLOC_WAIT
         waited = False
         while True:

@@ -1,22 +1,25 @@
-"""Decode pages of an aborted transfer are quarantined, not released blind, while prefill is frozen (0.5.21+).
+"""Decode pages of an aborted transfer are quarantined, not released blind, while prefill is frozen.
 
-0.5.21+ decode holds the pages of a failed transfer until every prefill rank
-acknowledges that its writes stopped, but only for
+0.5.10-0.5.20 decode frees a failed transfer's pages at once; kvguard's
+decode_destination_hold keeps them until every prefill rank confirms the drain
+(kvguard's own drain request and answer). 0.5.21+ decode holds them itself until every
+prefill rank acknowledges that its writes stopped, but only for
 ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s; 5 s here): then it
 logs "releasing anyway" and frees them, although the writer may still be alive and
-write later (docs/design/page-lifetime.md, D5).
+write later (docs/design/page-lifetime.md, D5); kvguard's decode_deferred_release
+turns that into quarantine.
 
 The writer is frozen for real: the prefill scheduler process gets SIGSTOP (its
 Mooncake transfer and bootstrap threads stop with it). A request is sent through the
 router; decode reserves its pages and waits for the transfer; decode then aborts it
-(``/abort_request``), sends ABORT to the frozen prefill and holds the pages.
+(``/abort_request``) and holds the pages.
 
 * Guarded: past ``--kvguard-quarantine-after`` (3 s) the pages are reported
-  quarantined (log, ``kvguard_kv_quarantined_pages``), and past upstream's timeout
-  they are still held. After SIGCONT, prefill acknowledges the drain and decode
-  releases the pages: the pool is back at its idle value.
-* With the guard switched off on decode: upstream releases the pages while the
-  writer is still frozen ("releasing anyway").
+  quarantined (log, ``kvguard_kv_quarantined_pages``), and 9 s later they are still
+  held. After SIGCONT, prefill confirms the drain and decode releases the pages: the
+  pool is back at its idle value.
+* With the guard switched off on decode: the pages go back while the writer is still
+  frozen (at once up to 0.5.20; "releasing anyway" after upstream's timeout on 0.5.21+).
 """
 from __future__ import annotations
 
@@ -39,11 +42,8 @@ TIMEOUT_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "5"}
 PROMPT = 200
 
 
-@pytest.fixture(autouse=True)
-def _needs_upstream_hold(release):
-    if release.version_tuple < (0, 5, 21):
-        pytest.skip("kvguard quarantines upstream's deferred decode release from 0.5.21 (0.5.19-0.5.20's opt-in "
-                    "is left off: it does not count prefill's acks)")
+def _decode_hold_guard(release) -> str:
+    return "decode_deferred_release" if release.version_tuple >= (0, 5, 21) else "decode_destination_hold"
 
 
 def _scheduler_pid(d, role: str) -> int:
@@ -75,7 +75,7 @@ def _abort_on_decode_while_prefill_is_frozen(d, rid: str):
     return pid, t, before
 
 
-def test_frozen_prefill_quarantines_decode_pages_until_it_drains(pd_factory):
+def test_frozen_prefill_quarantines_decode_pages_until_it_drains(pd_factory, release):
     d = pd_factory("guarded-quarantine", launcher="sglang_kvguard.launch_server",
                    prefill_extra_args=ARGS, decode_extra_args=ARGS + ["--kvguard-quarantine-after", "3"],
                    env=TIMEOUT_ENV, router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
@@ -103,11 +103,15 @@ def test_frozen_prefill_quarantines_decode_pages_until_it_drains(pd_factory):
     ok = d.generate(prompt_of_tokens(40, vocab=VOCAB, offset=1), max_new_tokens=4, timeout=60)
     assert ok.status == 200, ok
     assert "Traceback" not in log
+    if release.version_tuple < (0, 5, 21):  # kvguard's own drain request and answer
+        assert "left the transfer queue unfinished" in log
+        assert "has drained on this prefill rank" in d.log_text("prefill")
 
 
-def test_without_the_guard_upstream_releases_while_prefill_is_frozen(pd_factory):
+def test_without_the_guard_upstream_releases_while_prefill_is_frozen(pd_factory, release):
+    guard = _decode_hold_guard(release)
     d = pd_factory("unguarded-quarantine", launcher="sglang_kvguard.launch_server",
-                   prefill_extra_args=ARGS, decode_extra_args=ARGS + ["--kvguard-disable=decode_deferred_release"],
+                   prefill_extra_args=ARGS, decode_extra_args=ARGS + [f"--kvguard-disable={guard}"],
                    env=TIMEOUT_ENV, router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
     pid, t, before = _abort_on_decode_while_prefill_is_frozen(d, "kvguard-frozen-2")
     try:
@@ -115,7 +119,8 @@ def test_without_the_guard_upstream_releases_while_prefill_is_frozen(pd_factory)
         after = settled(d, "decode", before, timeout=30)
         assert (after["usable_tokens"], after["metadata_free_slots"]) == before, \
             "upstream gave the pages back while the writer was still frozen"
-        assert "releasing anyway" in d.log_text("decode")
+        if release.version_tuple >= (0, 5, 21):
+            assert "releasing anyway" in d.log_text("decode")
     finally:
         os.kill(pid, signal.SIGCONT)
     t.join(60)

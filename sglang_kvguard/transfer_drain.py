@@ -1,0 +1,210 @@
+"""Prefill side of the decode destination hold: when has a room's transfer drained?
+
+Decode (kvguard's decode_destination_hold, 0.5.10-0.5.20) keeps a failed transfer's
+destination pages until every prefill rank that writes them confirms that nothing
+more will be written. Upstream has no usable signal there (docs/design/page-lifetime.md
+D1-D4): no ABORT up to 0.5.12; an ABORT_ACK sent before the drain and dropped by
+decode in 0.5.13-0.5.18; an opt-in that drops acks in 0.5.19-0.5.20.
+
+This module is the prefill half, in every prefill scheduler process:
+
+* ``enqueued(room)`` / ``finished(room)``: called by prefill_source_hold's transfer
+  queue wrapper when a chunk of the room is queued and when the worker is done with
+  it (its futures included): the room's outstanding chunks;
+* ``drain_requested(...)``: decode asked (``KVGUARD_DRAIN/1`` on the KV manager's
+  bootstrap socket). The room is marked aborted: the manager's status becomes
+  Failed (if the room is known and not yet Success) and ``gate_chunk`` refuses every
+  later chunk of it. When no chunk of the room is outstanding, each waiting decode
+  endpoint gets ``KVGUARD_DRAINED/1`` on the reply socket it named.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as queue_mod
+import threading
+import time
+from typing import Dict, List, Optional, Set, Tuple
+
+log = logging.getLogger("sglang_kvguard")
+
+DRAIN_REQUEST = b"KVGUARD_DRAIN/1"
+DRAINED = b"KVGUARD_DRAINED/1"
+ROUTE_HEADER = "X-KVGuard-Drain"  # on the prefill bootstrap server's /route answers: this prefill acks drains
+ABORTED_TTL = 600.0
+
+_lock = threading.RLock()
+_outstanding: Dict[int, int] = {}
+_aborted: Dict[int, float] = {}
+_waiters: Dict[int, Set[Tuple[str, int]]] = {}
+_identity: Dict[str, str] = {"rank": ""}
+stats = {"requests": 0, "acks": 0, "chunks_refused": 0}
+
+
+def encode_request(room: int, reply_ip: str, reply_port: int) -> List[bytes]:
+    return [DRAIN_REQUEST, str(int(room)).encode("ascii"), str(reply_ip).encode("ascii"),
+            str(int(reply_port)).encode("ascii")]
+
+
+def decode_request(msg) -> Optional[Tuple[int, str, int]]:
+    if len(msg) != 4 or bytes(msg[0]) != DRAIN_REQUEST:
+        return None
+    return int(bytes(msg[1])), bytes(msg[2]).decode("ascii"), int(bytes(msg[3]))
+
+
+def encode_drained(room: int, rank: str) -> List[bytes]:
+    return [DRAINED, str(int(room)).encode("ascii"), rank.encode("ascii")]
+
+
+def decode_drained(msg) -> Optional[Tuple[int, str]]:
+    if len(msg) != 3 or bytes(msg[0]) != DRAINED:
+        return None
+    return int(bytes(msg[1])), bytes(msg[2]).decode("ascii")
+
+
+# ----------------------------------------------------------------------------- counting
+
+
+def enqueued(room) -> None:
+    if room is None:
+        return
+    with _lock:
+        _outstanding[int(room)] = _outstanding.get(int(room), 0) + 1
+
+
+def finished(room) -> None:
+    if room is None:
+        return
+    room = int(room)
+    with _lock:
+        n = _outstanding.get(room, 0) - 1
+        if n > 0:
+            _outstanding[room] = n
+            return
+        _outstanding.pop(room, None)
+        targets = _waiters.pop(room, None)
+    if targets:
+        _send_acks(room, targets)
+
+
+def outstanding(room) -> int:
+    with _lock:
+        return _outstanding.get(int(room), 0)
+
+
+def is_aborted(room) -> bool:
+    with _lock:
+        return room is not None and int(room) in _aborted
+
+
+def gate_chunk(manager, room) -> bool:
+    """Scheduler thread, under the lock the caller holds: may this room's chunk be queued?"""
+    if room is None or int(room) not in _aborted:
+        return True
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    stats["chunks_refused"] += 1
+    try:
+        manager.record_failure(int(room), "decode released its pages for this request (kvguard drain request)")
+        manager.update_status(int(room), KVPoll.Failed)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("kvguard: marking room %s failed after decode's drain request failed: %s", room, exc)
+    return False
+
+
+def locked():
+    """The lock that orders ``gate_chunk`` + enqueue against ``drain_requested``."""
+    return _lock
+
+
+def drain_requested(manager, room: int, reply_ip: str, reply_port: int) -> None:
+    """Bootstrap thread: decode will not read this room again; ack when it has drained."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    now = time.monotonic()
+    with _lock:
+        stats["requests"] += 1
+        for r in [r for r, t in _aborted.items() if now - t > ABORTED_TTL]:
+            _aborted.pop(r, None)
+        _aborted[room] = now
+        status = getattr(manager, "request_status", {}).get(room)
+        if status is not None and status != KVPoll.Success:
+            try:
+                manager.record_failure(room, "decode released its pages for this request (kvguard drain request)")
+                manager.update_status(room, KVPoll.Failed)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("kvguard: marking room %s failed on decode's drain request failed: %s", room, exc)
+        if _outstanding.get(room, 0) > 0:
+            _waiters.setdefault(room, set()).add((reply_ip, int(reply_port)))
+            log.info("kvguard: decode asked for room %s to drain; %d chunk(s) still queued or in flight",
+                     room, _outstanding[room])
+            return
+    _send_acks(room, {(reply_ip, int(reply_port))})
+
+
+def set_identity(manager) -> None:
+    ip, port = getattr(manager, "local_ip", None), getattr(manager, "rank_port", None)
+    if ip is not None and port is not None:
+        _identity["rank"] = f"{ip}:{port}"
+
+
+# ----------------------------------------------------------------------------- acks
+
+
+class _Sender:
+    def __init__(self) -> None:
+        self.q: "queue_mod.Queue" = queue_mod.Queue()
+        self.sockets: Dict[Tuple[str, int], object] = {}
+        self.ctx = None
+        self.thread = threading.Thread(target=self._run, name="kvguard-drain-acks", daemon=True)
+        self.thread.start()
+
+    def _socket(self, ip: str, port: int):
+        import zmq
+
+        key = (ip, port)
+        sock = self.sockets.get(key)
+        if sock is None:
+            if self.ctx is None:
+                self.ctx = zmq.Context()
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            host = f"[{ip}]" if ":" in ip else ip
+            if ":" in ip:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(f"tcp://{host}:{port}")
+            self.sockets[key] = sock
+        return sock
+
+    def _run(self) -> None:
+        import zmq
+
+        while True:
+            room, ip, port = self.q.get()
+            try:
+                self._socket(ip, port).send_multipart(encode_drained(room, _identity["rank"]), flags=zmq.DONTWAIT)
+                stats["acks"] += 1
+            except Exception as exc:  # noqa: BLE001 - keep the thread alive
+                log.warning("kvguard: could not tell decode %s:%s that room %s drained: %s", ip, port, room, exc)
+
+
+_sender: Dict[str, _Sender] = {}
+
+
+def _send_acks(room: int, targets) -> None:
+    with _lock:
+        s = _sender.get("s")
+        if s is None or not s.thread.is_alive():
+            s = _sender["s"] = _Sender()
+    for ip, port in targets:
+        s.q.put((int(room), ip, int(port)))
+    log.info("kvguard: room %s has drained on this prefill rank; told %d decode endpoint(s)", room, len(targets))
+
+
+def reset() -> None:
+    """Tests: forget every room."""
+    with _lock:
+        _outstanding.clear()
+        _aborted.clear()
+        _waiters.clear()

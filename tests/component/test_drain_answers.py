@@ -1,0 +1,148 @@
+"""Prefill's answer to decode's drain request waits for every chunk of the room.
+
+decode_destination_hold (0.5.10-0.5.20) keeps a failed transfer's decode pages until
+each prefill rank answers ``KVGUARD_DRAIN/1``. The answer is a promise that nothing
+more is written into those pages, so it must wait for the room's queued and in-flight
+chunks, and no chunk of the room may be queued after it.
+
+Here: SGLang's real ``FastQueue`` and ``TransferKVChunk`` behind prefill_source_hold's
+queue wrapper (the test thread plays the transfer worker), the real
+``MooncakeKVManager.update_status`` / ``record_failure`` (on a manager built without
+its transfer engine: only its status tables are set), and a real ZMQ socket that
+receives the answers. The full path runs through real servers in
+tests/server/test_abort_phases.py and tests/server/test_decode_quarantine.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+os.environ["KVGUARD_AUTO_INSTALL"] = "0"
+
+pytestmark = pytest.mark.component
+
+transfer_chunk = pytest.importorskip("_sglang_components").transfer_chunk  # needs torch + SGLang
+
+ROOM = 4242
+
+
+def _manager():
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    m = object.__new__(MooncakeKVManager)  # status tables only: no engine, sockets or threads
+    m.request_status = {}
+    m.failure_records = {}
+    m.failure_lock = threading.Lock()
+    m.deferred_bootstrap = None
+    m._deferred_ack_targets = {}
+    m._deferred_ack_poisoned_rooms = set()
+    m._staging_outstanding = {}
+    m.local_ip, m.rank_port = "127.0.0.1", 1
+    return m
+
+
+@pytest.fixture
+def answers():
+    import zmq
+
+    from sglang_kvguard import transfer_drain
+
+    transfer_drain.reset()
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+
+    def recv(timeout_ms: int):
+        if not pull.poll(timeout_ms):
+            return None
+        return transfer_drain.decode_drained(pull.recv_multipart())
+
+    yield port, recv
+    pull.close(0)
+    ctx.term()
+    transfer_drain.reset()
+
+
+def _queue():
+    from sglang.srt.disaggregation.common.utils import FastQueue
+
+    from sglang_kvguard.guards.prefill_source_hold import _PinningQueue
+    from sglang_kvguard.page_hold import PageHold
+
+    q = _PinningQueue(FastQueue(), PageHold("prefill"))
+    q.consumer_wrapped = True
+    return q
+
+
+def test_answer_waits_for_queued_and_in_flight_chunks(sgl, answers):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_kvguard import transfer_drain
+
+    port, recv = answers
+    mgr = _manager()
+    transfer_drain.set_identity(mgr)
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    mgr.update_status(ROOM, KVPoll.Transferring)
+    q = _queue()
+    q.put(transfer_chunk(ROOM, [1, 2]))
+    q.put(transfer_chunk(ROOM, [3]))
+    assert transfer_drain.outstanding(ROOM) == 2
+
+    transfer_drain.drain_requested(mgr, ROOM, "127.0.0.1", port)
+    assert mgr.request_status[ROOM] == KVPoll.Failed
+    assert "kvguard drain request" in mgr.failure_records[ROOM]
+    assert recv(300) is None, "answered while two chunks were still queued"
+
+    q.get()  # the worker takes the first chunk and is sending it
+    assert recv(300) is None, "answered while a chunk was in flight"
+    q.get()  # first chunk done; the second in flight
+    assert recv(300) is None
+    q.finish_current()  # the worker is done with the room
+    assert recv(3000) == (ROOM, "127.0.0.1:1")
+    assert transfer_drain.outstanding(ROOM) == 0
+
+
+def test_no_chunk_is_queued_after_the_request(sgl, answers):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_kvguard import transfer_drain
+
+    port, recv = answers
+    mgr = _manager()
+    # decode gave up before this prefill had heard of the room: answered at once...
+    transfer_drain.drain_requested(mgr, ROOM, "127.0.0.1", port)
+    assert recv(3000) is not None
+    # ...and when the request reaches prefill later, its chunk is refused and the room fails
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    with transfer_drain.locked():
+        assert not transfer_drain.gate_chunk(mgr, ROOM)
+    assert mgr.request_status[ROOM] == KVPoll.Failed
+    assert transfer_drain.gate_chunk(mgr, ROOM + 1), "other rooms are not affected"
+
+
+def test_answer_waits_for_transfer_futures_the_worker_left_running(sgl, answers):
+    import concurrent.futures
+
+    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.guards.prefill_source_hold import _TrackingExecutor
+
+    port, recv = answers
+    mgr = _manager()
+    q = _queue()
+    release = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ex = _TrackingExecutor(pool, q)
+        q.put(transfer_chunk(ROOM, [5]))
+        q.get()
+        ex.submit(release.wait, 30)  # a layer transfer still writing after the worker moved on
+        try:
+            transfer_drain.drain_requested(mgr, ROOM, "127.0.0.1", port)
+            q.finish_current()
+            assert recv(300) is None, "answered while a transfer future was still running"
+        finally:
+            release.set()
+        assert recv(3000) is not None
