@@ -77,11 +77,12 @@ ROUTE_GET = target(
 ROLE = "decode"
 _SWEEP_EVERY = 1.0
 _ROUTE_TTL = 60.0
+_STRAY_AFTER = 5.0  # seconds a pinned room may be outside the transfer queue (it enters it in the same step)
 
 
 class _Room:
     __slots__ = ("room", "rid", "pages", "meta", "ranks", "addr", "since", "acked", "asked", "quarantined", "key",
-                 "local_ip")
+                 "local_ip", "pinned_at")
 
     def __init__(self, room: int, pages: List[int], meta: Optional[int], ranks, addr: str, key: int) -> None:
         self.room = room
@@ -96,6 +97,7 @@ class _Room:
         self.quarantined = False
         self.key = key  # id() of the receiver
         self.local_ip: Optional[str] = None  # decode's address (the KV manager's), for the answers
+        self.pinned_at = time.monotonic()
 
 
 _lock = threading.Lock()
@@ -372,7 +374,24 @@ def _after_pop(queue, hold: PageHold, before, out) -> None:
     now = time.monotonic()
     if now - _last_sweep["t"] >= _SWEEP_EVERY:
         _last_sweep["t"] = now
+        _drain_strays(queue, now)
         sweep(hold, now)
+
+
+def _drain_strays(queue, now: float) -> None:
+    """A pinned room that is no longer in the transfer queue left it some other way than
+    through pop_transferred: it is treated as unfinished (asked for its drain)."""
+    in_queue = {getattr(dr.req, "bootstrap_room", None) for dr in (getattr(queue, "queue", ()) or ())}
+    with _lock:
+        strays = [r for r in _rooms.values() if r.since is None and r.room not in in_queue
+                  and now - r.pinned_at > _STRAY_AFTER]
+        for r in strays:
+            r.since = now  # claimed here; _request_drain sets it again
+    for r in strays:
+        log.warning("kvguard decode_destination_hold: room %s left the transfer queue without pop_transferred; its "
+                    "%d page(s) stay held until %d prefill rank(s) confirm the drain", r.room, len(r.pages),
+                    len(r.ranks))
+        _request_drain(r, r.local_ip)
 
 
 def sweep(hold: PageHold, now: float) -> None:
