@@ -170,3 +170,35 @@ def hold_for_allocator(allocator) -> Optional[PageHold]:
         if h.owns(allocator):
             return h
     return None
+
+
+def bind_hold(role: str, allocator, quarantine_after: float = 300.0) -> PageHold:
+    """Make ``allocator`` the one whose pages this process's ``role`` hold keeps."""
+    hold = HOLDS.get(role) or PageHold(role, quarantine_after)
+    hold.quarantine_after = float(quarantine_after)
+    hold.bind(allocator)
+    HOLDS[role] = hold
+    return hold
+
+
+def bind_at_scheduler_init(role: str, quarantine_after: float, what: str):
+    """Wrapper factory for ``Scheduler.__init__``: a scheduler of PD role ``role`` binds
+    its allocator to the role's hold and logs ``kvguard <what> (allocator ...)``."""
+
+    def factory(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            from .activation import pd_role
+
+            if pd_role(self) != role:
+                return
+            alloc = getattr(self, "token_to_kv_pool_allocator", None)
+            if alloc is None:
+                return
+            hold = bind_hold(role, alloc, quarantine_after)
+            log.info("kvguard %s (allocator %s, page size %d, quarantine after %.0f s)",
+                     what, type(alloc).__name__, hold.page_size, quarantine_after)
+
+        return __init__
+
+    return factory

@@ -154,28 +154,11 @@ def set_identity(manager) -> None:
 class _Sender:
     def __init__(self) -> None:
         self.q: "queue_mod.Queue" = queue_mod.Queue()
-        self.sockets: Dict[Tuple[str, int], object] = {}
-        self.ctx = None
+        from .guards.rejection_notice import PushSockets
+
+        self.sockets = PushSockets()
         self.thread = threading.Thread(target=self._run, name="kvguard-drain-acks", daemon=True)
         self.thread.start()
-
-    def _socket(self, ip: str, port: int):
-        import zmq
-
-        key = (ip, port)
-        sock = self.sockets.get(key)
-        if sock is None:
-            if self.ctx is None:
-                self.ctx = zmq.Context()
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            host = f"[{ip}]" if ":" in ip else ip
-            if ":" in ip:
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(f"tcp://{host}:{port}")
-            self.sockets[key] = sock
-        return sock
 
     def _run(self) -> None:
         import zmq
@@ -183,7 +166,7 @@ class _Sender:
         while True:
             room, ip, port = self.q.get()
             try:
-                self._socket(ip, port).send_multipart(encode_drained(room, _identity["rank"]), flags=zmq.DONTWAIT)
+                self.sockets.get(ip, port).send_multipart(encode_drained(room, _identity["rank"]), flags=zmq.DONTWAIT)
                 stats["acks"] += 1
             except Exception as exc:  # noqa: BLE001 - keep the thread alive
                 log.warning("kvguard: could not tell decode %s:%s that room %s drained: %s", ip, port, room, exc)

@@ -31,7 +31,6 @@ keeps that room's pages until the quarantine bound and says why (fail closed).
 
 from __future__ import annotations
 
-import json
 import logging
 import queue as queue_mod
 import threading
@@ -40,11 +39,12 @@ import urllib.request
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import transfer_drain
-from ..activation import SCHEDULER_INIT, pd_role
+from ..activation import SCHEDULER_INIT
 from ..engine.guard import ACTIVE, OFF, Decision, Guard
 from ..engine.targets import target
-from ..page_hold import HOLDS, PageHold
-from .prefill_source_hold import release_drained
+from ..page_hold import HOLDS, PageHold, bind_at_scheduler_init
+from . import rejection_notice
+from .prefill_source_hold import page_list, release_drained
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -81,10 +81,10 @@ _STRAY_AFTER = 5.0  # seconds a pinned room may be outside the transfer queue (i
 
 
 class _Room:
-    __slots__ = ("room", "rid", "pages", "meta", "ranks", "addr", "since", "acked", "asked", "quarantined", "key",
-                 "local_ip", "pinned_at")
+    __slots__ = ("room", "rid", "pages", "meta", "ranks", "addr", "since", "acked", "quarantined", "local_ip",
+                 "pinned_at")
 
-    def __init__(self, room: int, pages: List[int], meta: Optional[int], ranks, addr: str, key: int) -> None:
+    def __init__(self, room: int, pages: List[int], meta: Optional[int], ranks, addr: str) -> None:
         self.room = room
         self.rid = "?"
         self.pages = pages
@@ -93,9 +93,7 @@ class _Room:
         self.addr = addr
         self.since: Optional[float] = None  # set when the drain was requested
         self.acked: set = set()
-        self.asked = False
         self.quarantined = False
-        self.key = key  # id() of the receiver
         self.local_ip: Optional[str] = None  # decode's address (the KV manager's), for the answers
         self.pinned_at = time.monotonic()
 
@@ -130,10 +128,10 @@ def _send_metadata(original: Callable) -> Callable:
                     log.error("kvguard decode_destination_hold: transfer page size %s differs from the allocator's "
                               "%d; destination pages are not held", mgr_ps, hold.page_size)
                 return original(self, kv_indices, aux_index, *args, **kwargs)
-            pages = [int(p) for p in kv_indices.tolist()] if hasattr(kv_indices, "tolist") else [int(p) for p in kv_indices]
+            pages = page_list(kv_indices)
             ranks = [(str(i["rank_ip"]), int(i["rank_port"])) for i in infos if not i.get("is_dummy")]
             rec = _Room(int(room), pages, None if aux_index is None else int(aux_index), ranks,
-                        str(getattr(self, "bootstrap_addr", "")), id(self))
+                        str(getattr(self, "bootstrap_addr", "")))
             rec.local_ip = getattr(getattr(self, "kv_mgr", None), "local_ip", None)
             hold.pin(pages)
             with _lock:
@@ -206,7 +204,7 @@ class _Drains:
             self.pull.setsockopt(zmq.IPV6, 1)
         self.reply_ip = local_ip
         self.reply_port = self.pull.bind_to_random_port(f"tcp://{host}")
-        self.sockets: Dict[Tuple[str, int], object] = {}
+        self.sockets = rejection_notice.PushSockets(self.ctx)
         self.capable: Dict[str, Tuple[float, bool]] = {}
         self.sender = threading.Thread(target=self._send_loop, name="kvguard-decode-drain-requests", daemon=True)
         self.receiver = threading.Thread(target=self._recv_loop, name="kvguard-decode-drain-answers", daemon=True)
@@ -222,26 +220,11 @@ class _Drains:
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - the room's own bootstrap server
                 ok = resp.headers.get(transfer_drain.ROUTE_HEADER) == "1"
-                json.loads(resp.read().decode("utf-8") or "{}")
         except Exception as exc:  # noqa: BLE001
             log.warning("kvguard decode_destination_hold: GET %s failed: %s", url, exc)
             return False  # not cached: asked again next time
         self.capable[addr] = (time.monotonic(), ok)
         return ok
-
-    def _socket(self, ip: str, port: int):
-        import zmq
-
-        key = (ip, port)
-        sock = self.sockets.get(key)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            if ":" in ip:
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(f"tcp://{'[' + ip + ']' if ':' in ip else ip}:{port}")
-            self.sockets[key] = sock
-        return sock
 
     def _send_loop(self) -> None:
         import zmq
@@ -259,7 +242,7 @@ class _Drains:
                     continue
                 frames = transfer_drain.encode_request(rec.room, self.reply_ip, self.reply_port)
                 for ip, port in rec.ranks:
-                    self._socket(ip, port).send_multipart(frames, flags=zmq.DONTWAIT)
+                    self.sockets.get(ip, port).send_multipart(frames, flags=zmq.DONTWAIT)
                 metrics.count("drain_requests", n=len(rec.ranks))
             except Exception as exc:  # noqa: BLE001 - keep the thread alive
                 log.warning("kvguard decode_destination_hold: drain request for room %s failed: %s", rec.room, exc)
@@ -322,7 +305,6 @@ def _request_drain(rec: _Room, local_ip: Optional[str]) -> None:
         log.error("kvguard decode_destination_hold: no local address to receive drain answers; room %s stays held",
                   rec.room)
         return
-    rec.asked = True
     _drain_service(local_ip).q.put(rec)
 
 
@@ -472,31 +454,10 @@ def _route_get(original: Callable) -> Callable:
 # ----------------------------------------------------------------------------- start-up
 
 
-def bind_allocator(alloc, quarantine_after: float) -> PageHold:
-    hold = HOLDS.get(ROLE) or PageHold(ROLE, quarantine_after)
-    hold.quarantine_after = float(quarantine_after)
-    hold.bind(alloc)
-    HOLDS[ROLE] = hold
-    return hold
-
-
 def _scheduler_init(quarantine_after: float) -> Callable[[Callable], Callable]:
-    def factory(original: Callable) -> Callable:
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            if pd_role(self) != ROLE:
-                return
-            alloc = getattr(self, "token_to_kv_pool_allocator", None)
-            if alloc is None:
-                return
-            hold = bind_allocator(alloc, quarantine_after)
-            log.info("kvguard decode_destination_hold: destination pages and metadata rows of Mooncake transfers "
-                     "stay allocated until every prefill rank writing them has drained (allocator %s, page size %d, "
-                     "quarantine after %.0f s)", type(alloc).__name__, hold.page_size, quarantine_after)
-
-        return __init__
-
-    return factory
+    return bind_at_scheduler_init(
+        ROLE, quarantine_after, "decode_destination_hold: destination pages and metadata rows of Mooncake transfers "
+        "stay allocated until every prefill rank writing them has drained")
 
 
 class DecodeDestinationHoldGuard(Guard):

@@ -99,8 +99,7 @@ class _Notifier:
     def __init__(self):
         self.q: "queue_mod.Queue" = queue_mod.Queue()
         self.routes: Dict[str, Tuple[float, List[Tuple[str, int]], Optional[int], bool]] = {}
-        self.sockets: Dict[Tuple[str, int], object] = {}
-        self.ctx = None
+        self.sockets = rejection_notice.PushSockets()
         self.thread = threading.Thread(target=self._run, name="kvguard-decode-rejection-notice", daemon=True)
         self.thread.start()
 
@@ -144,24 +143,13 @@ class _Notifier:
             return [(ip, port) for d, ip, port in ranks if d == room % dp]
         return [(ip, port) for _d, ip, port in ranks]
 
-    def _socket(self, ip: str, port: int):
-        import zmq
-
-        key = (ip, port)
-        sock = self.sockets.get(key)
-        if sock is None:
-            if self.ctx is None:
-                self.ctx = zmq.Context()
-            sock = self.sockets[key] = rejection_notice.push_socket(self.ctx, ip, port)
-        return sock
-
     def send(self, addr: str, frames: List[bytes], room: int) -> int:
         import zmq
 
         sent = 0
         for ip, port in self.ranks(addr, room):
             try:
-                self._socket(ip, port).send_multipart(frames, flags=zmq.DONTWAIT)
+                self.sockets.get(ip, port).send_multipart(frames, flags=zmq.DONTWAIT)
                 sent += 1
             except Exception as exc:  # noqa: BLE001
                 log.warning("kvguard: could not tell prefill rank %s:%s that decode rejected room %s: %s",

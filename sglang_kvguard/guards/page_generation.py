@@ -107,34 +107,26 @@ class GenerationTable:
             self.stats["bumped"] += int(page_ids.numel())
 
     # -- records
-    def record_row(self, req, row: int, n_tokens: int) -> None:
+    def _record(self, reqs, rows: List[int], n_tokens: List[int]) -> None:
+        """Record rows from their first page slot up to ``n_tokens`` each, in one kernel call."""
         from .. import kernels
 
-        end = min(-(-int(n_tokens) // self.page_size), self.width)
-        kernels.record_generations(self.gens, self.req_to_token, self.rec, self.rec_len, [row], [0], [end],
+        ends = [min(-(-int(n) // self.page_size), self.width) for n in n_tokens]
+        kernels.record_generations(self.gens, self.req_to_token, self.rec, self.rec_len, rows, [0] * len(rows), ends,
                                    self.page_size)
-        setattr(req, REQ_ATTR, row)
-        self.stats["recorded"] += 1
+        for r, row in zip(reqs, rows):
+            setattr(r, REQ_ATTR, row)
+        self.stats["recorded"] += len(rows)
+
+    def record_row(self, req, row: int, n_tokens: int) -> None:
+        self._record([req], [row], [n_tokens])
 
     def record_rows(self, reqs) -> None:
         """Record whole rows (up to each request's committed length) in one kernel call."""
-        from .. import kernels
-
-        kept, rows, ends = [], [], []
-        for r in reqs:
-            row, n = req_row(r), committed_len(r)
-            if row is None or n is None:
-                continue
-            kept.append(r)
-            rows.append(row)
-            ends.append(min(-(-int(n) // self.page_size), self.width))
-        if not rows:
-            return
-        kernels.record_generations(self.gens, self.req_to_token, self.rec, self.rec_len, rows, [0] * len(rows), ends,
-                                   self.page_size)
-        for r, row in zip(kept, rows):
-            setattr(r, REQ_ATTR, row)
-        self.stats["recorded"] += len(rows)
+        kept = [(r, req_row(r), committed_len(r)) for r in reqs]
+        kept = [k for k in kept if k[1] is not None and k[2] is not None]
+        if kept:
+            self._record([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept])
 
     def _rows(self, reqs) -> List[int]:
         return [req_row(r) for r in reqs]
@@ -296,10 +288,14 @@ def _send_abort(sched, req, finished_reason: dict) -> None:
         sched.send_to_tokenizer.send_output(obj, req)
 
 
+def _is_radix(tree) -> bool:
+    """Decode's radix cache is on (``--disaggregation-decode-enable-radix-cache``)."""
+    return tree is not None and not getattr(tree, "disable", True) and type(tree).__name__ != "ChunkCache"
+
+
 def _shared_prefix_slots(sched, req, table: GenerationTable) -> int:
     """Page slots at the head of the row that belong to decode's radix cache (not ours to free)."""
-    tree = getattr(sched, "tree_cache", None)
-    if tree is None or getattr(tree, "disable", True) or type(tree).__name__ == "ChunkCache":
+    if not _is_radix(getattr(sched, "tree_cache", None)):
         return 0
     prefix = getattr(req, "prefix_indices", None)
     n = len(prefix) if prefix is not None else 0
@@ -393,8 +389,8 @@ def checked_insert(table: GenerationTable, reqs, insert: Callable[[], object]):
 def _process_prebuilt(original: Callable) -> Callable:
     def process_prebuilt(self, *args, **kwargs):
         table = table_of(getattr(self, "token_to_kv_pool_allocator", None))
-        if table is None or not getattr(self, "reqs", None):
-            return original(self, *args, **kwargs)
+        if table is None or not getattr(self, "reqs", None) or not _is_radix(getattr(self, "tree_cache", None)):
+            return original(self, *args, **kwargs)  # without the radix cache no row is rewritten here
         return checked_insert(table, list(self.reqs), lambda: original(self, *args, **kwargs))
 
     return process_prebuilt
@@ -447,7 +443,7 @@ def _scheduler_init(original: Callable) -> Callable:
         table = bind(alloc, r2t)
         if table is not None:
             tree = getattr(self, "tree_cache", None)
-            radix = tree is not None and not getattr(tree, "disable", True) and type(tree).__name__ != "ChunkCache"
+            radix = _is_radix(tree)
             log.info(
                 "kvguard page_generation: decode pages carry generation tags (%d pages, page size %d); every "
                 "decode batch is checked against its requests' records before the forward%s",

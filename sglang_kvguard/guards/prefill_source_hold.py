@@ -32,12 +32,12 @@ import threading
 import time
 from typing import Callable, Dict, List
 
-from ..activation import SCHEDULER_INIT, pd_role
+from ..activation import SCHEDULER_INIT
 from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from .. import transfer_drain
-from ..page_hold import HOLDS, PageHold, hold_for_allocator
+from ..page_hold import HOLDS, PageHold, bind_at_scheduler_init, bind_hold, hold_for_allocator
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -129,14 +129,17 @@ _SWEEP_EVERY = 1.0
 # ----------------------------------------------------------------------------- transfer side
 
 
-def _chunk_pages(chunk) -> List[int]:
-    idx = getattr(chunk, "prefill_kv_indices", None)
-    if idx is None:
-        return []
+def page_list(idx) -> List[int]:
+    """Page ids of a numpy array, tensor or sequence, as Python ints."""
     try:
         return [int(p) for p in idx.tolist()]
     except AttributeError:
         return [int(p) for p in idx]
+
+
+def _chunk_pages(chunk) -> List[int]:
+    idx = getattr(chunk, "prefill_kv_indices", None)
+    return [] if idx is None else page_list(idx)
 
 
 class _PinningQueue:
@@ -470,32 +473,13 @@ def _held_tokens(original: Callable) -> Callable:
 
 def bind_allocator(alloc, quarantine_after: float = 300.0) -> PageHold:
     """Make ``alloc`` this process's prefill allocator whose transfer pages are held."""
-    hold = HOLDS.get(ROLE) or PageHold(ROLE, quarantine_after)
-    hold.quarantine_after = float(quarantine_after)
-    hold.bind(alloc)
-    HOLDS[ROLE] = hold
-    return hold
+    return bind_hold(ROLE, alloc, quarantine_after)
 
 
 def _scheduler_init(quarantine_after: float) -> Callable[[Callable], Callable]:
-    def factory(original: Callable) -> Callable:
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            if pd_role(self) != ROLE:
-                return
-            alloc = getattr(self, "token_to_kv_pool_allocator", None)
-            if alloc is None:
-                return
-            hold = bind_allocator(alloc, quarantine_after)
-            log.info(
-                "kvguard prefill_source_hold: source pages of Mooncake transfers stay allocated until "
-                "the transfer worker has drained them (allocator %s, page size %d, quarantine after %.0f s)",
-                type(alloc).__name__, hold.page_size, quarantine_after,
-            )
-
-        return __init__
-
-    return factory
+    return bind_at_scheduler_init(
+        ROLE, quarantine_after, "prefill_source_hold: source pages of Mooncake transfers stay allocated until the "
+        "transfer worker has drained them")
 
 
 class PrefillSourceHoldGuard(Guard):

@@ -70,9 +70,7 @@ _lock = threading.Lock()
 _received: Dict[int, Tuple[int, str, float]] = {}
 _received_cv = threading.Condition(_lock)
 # prefill side: rooms still waiting for decode's transfer info live on each kv
-# manager (``kv._kvguard_rejected``); one PUSH socket per decode endpoint here.
-_sockets: Dict[Tuple[str, int], object] = {}
-_zmq_ctx = {"ctx": None}
+# manager (``kv._kvguard_rejected``); one PUSH socket per decode endpoint (``_push``).
 
 
 def _reason(req) -> Tuple[int, str]:
@@ -97,16 +95,31 @@ def push_socket(ctx, endpoint: str, port: int):
     return sock
 
 
-def _socket(endpoint: str, port: int):
-    import zmq
+class PushSockets:
+    """kvguard-owned PUSH sockets by (endpoint, port), made on first use, all from one
+    ZMQ context (``ctx``, or one made on first use). For the thread that owns it."""
 
-    key = (endpoint, int(port))
-    sock = _sockets.get(key)
-    if sock is None:
-        if _zmq_ctx["ctx"] is None:
-            _zmq_ctx["ctx"] = zmq.Context()
-        sock = _sockets[key] = push_socket(_zmq_ctx["ctx"], endpoint, port)
-    return sock
+    def __init__(self, ctx=None) -> None:
+        self.ctx = ctx
+        self._sockets: dict = {}
+
+    def get(self, endpoint: str, port: int):
+        key = (endpoint, int(port))
+        sock = self._sockets.get(key)
+        if sock is None:
+            if self.ctx is None:
+                import zmq
+
+                self.ctx = zmq.Context()
+            sock = self._sockets[key] = push_socket(self.ctx, endpoint, port)
+        return sock
+
+
+_push = PushSockets()
+
+
+def _socket(endpoint: str, port: int):
+    return _push.get(endpoint, port)
 
 
 def _send_notices(kv, room: int, status: int, message: str) -> int:
