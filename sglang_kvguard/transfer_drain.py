@@ -11,6 +11,8 @@ This module is the prefill half, in every prefill scheduler process:
 * ``enqueued(room)`` / ``finished(room)``: called by prefill_source_hold's transfer
   queue wrapper when a chunk of the room is queued and when the worker is done with
   it (its futures included): the room's outstanding chunks;
+* a room one of whose Mooncake batches failed (``finished(room, unsettled=...)``) is
+  never confirmed: Mooncake does not cancel a failed batch, so it may still write;
 * ``drain_requested(...)``: decode asked (``KVGUARD_DRAIN/1`` on the KV manager's
   bootstrap socket). The room is marked aborted: the manager's status becomes
   Failed (if the room is known and not yet Success) and ``gate_chunk`` refuses every
@@ -37,8 +39,9 @@ _lock = threading.RLock()
 _outstanding: Dict[int, int] = {}
 _aborted: Dict[int, float] = {}
 _waiters: Dict[int, Set[Tuple[str, int]]] = {}
+_unsettled: Dict[int, str] = {}  # rooms a failed Mooncake batch may still write (kept: never confirmed)
 _identity: Dict[str, str] = {"rank": ""}
-stats = {"requests": 0, "acks": 0, "chunks_refused": 0}
+stats = {"requests": 0, "acks": 0, "chunks_refused": 0, "withheld": 0}
 
 
 def encode_request(room: int, reply_ip: str, reply_port: int) -> List[bytes]:
@@ -72,19 +75,40 @@ def enqueued(room) -> None:
         _outstanding[int(room)] = _outstanding.get(int(room), 0) + 1
 
 
-def finished(room) -> None:
+def finished(room, unsettled: str = "") -> None:
+    """The worker is done with one chunk of ``room``. ``unsettled``: why one of its
+    Mooncake batches may still be writing (it failed, and Mooncake does not cancel a
+    failed batch): the room is then never confirmed drained."""
     if room is None:
         return
     room = int(room)
     with _lock:
+        if unsettled:
+            _unsettled.setdefault(room, unsettled)
         n = _outstanding.get(room, 0) - 1
         if n > 0:
             _outstanding[room] = n
             return
         _outstanding.pop(room, None)
         targets = _waiters.pop(room, None)
+        withheld = room in _unsettled
     if targets:
-        _send_acks(room, targets)
+        if withheld:
+            _withhold(room, len(targets))
+        else:
+            _send_acks(room, targets)
+
+
+def _withhold(room: int, n: int) -> None:
+    stats["withheld"] += 1
+    log.error("kvguard: room %s is not confirmed drained to %d decode endpoint(s): a failed Mooncake send of it "
+              "(%s) may still write decode's pages, which decode therefore keeps quarantined",
+              room, n, _unsettled.get(room, "?"))
+
+
+def is_unsettled(room) -> bool:
+    with _lock:
+        return room is not None and int(room) in _unsettled
 
 
 def outstanding(room) -> int:
@@ -134,11 +158,15 @@ def drain_requested(manager, room: int, reply_ip: str, reply_port: int) -> None:
                 manager.update_status(room, KVPoll.Failed)
             except Exception as exc:  # noqa: BLE001
                 log.warning("kvguard: marking room %s failed on decode's drain request failed: %s", room, exc)
+        withheld = room in _unsettled
         if _outstanding.get(room, 0) > 0:
             _waiters.setdefault(room, set()).add((reply_ip, int(reply_port)))
             log.info("kvguard: decode asked for room %s to drain; %d chunk(s) still queued or in flight",
                      room, _outstanding[room])
             return
+    if withheld:
+        _withhold(room, 1)
+        return
     _send_acks(room, {(reply_ip, int(reply_port))})
 
 
@@ -191,3 +219,4 @@ def reset() -> None:
         _outstanding.clear()
         _aborted.clear()
         _waiters.clear()
+        _unsettled.clear()

@@ -387,6 +387,7 @@ class PDDeployment:
     decode_max_total_tokens: int = 2048
     context_length: Optional[int] = None
     page_size: int = 16
+    load_format: str = "dummy"  # "auto" for a model written with weights (make_tiny_model(weights_seed=...))
     transfer_backend: Optional[str] = None  # None: mooncake_tcp where it exists
     prefill_extra_args: Sequence[str] = ()
     decode_extra_args: Sequence[str] = ()
@@ -440,7 +441,7 @@ class PDDeployment:
             "--host", self.host,
             "--port", str(self.ports[role]),
             "--device", "cpu",
-            "--load-format", "dummy",
+            "--load-format", self.load_format,
             "--attention-backend", "torch_native",
             "--page-size", str(self.page_size),
             "--max-total-tokens", str(pool),
@@ -602,6 +603,7 @@ class PDDeployment:
         while pending:
             self._check_alive()
             if time.monotonic() - t0 > self.startup_timeout:
+                self._dump_stacks(sorted(pending))
                 raise DeploymentError(
                     f"timed out after {self.startup_timeout:.0f}s waiting for {sorted(pending)} to become healthy\n"
                     + self.describe()
@@ -614,6 +616,28 @@ class PDDeployment:
                     self.procs[role].healthy_after = time.monotonic() - t0
             if pending:
                 time.sleep(0.5)
+
+    STACK_DUMP_ENV = "KVGUARD_TEST_STACK_DUMPS"
+
+    def _dump_stacks(self, roles: Sequence[str]) -> None:
+        """Ask every process of ``roles`` to write its Python stacks into its log.
+
+        Only when the servers run with ``KVGUARD_TEST_STACK_DUMPS=1`` (the test tier's
+        ``sitecustomize`` then registers ``faulthandler`` on SIGUSR2 in every process);
+        without it SIGUSR2 would kill them, so nothing is sent."""
+        if self.env.get(self.STACK_DUMP_ENV) != "1":
+            return
+        sent = False
+        for role in roles:
+            p = self.procs.get(role)
+            for pid in _pids_in_group(p.pgid) if p is not None and p.pgid else []:
+                try:
+                    os.kill(pid, signal.SIGUSR2)
+                    sent = True
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if sent:
+            time.sleep(2.0)
 
     def _wait_router(self, t0: float) -> None:
         """Router /health, then a 1-token /generate until it stops answering 503.

@@ -2,7 +2,8 @@
 
 ``make_tiny_model(dir)`` writes a 2-layer Llama (hidden 64, 4 heads, 2 KV heads)
 config plus a locally built WordLevel tokenizer. Weights are not needed: servers
-are started with ``--load-format dummy``. The tokenizer maps every word
+are started with ``--load-format dummy`` (or, with ``weights_seed``, seeded random
+weights are written too). The tokenizer maps every word
 ``w0 .. w{n-1}`` to exactly one token, with no BOS/EOS added, so
 ``prompt_of_tokens(n)`` is a prompt of exactly ``n`` tokens.
 
@@ -15,7 +16,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -52,8 +53,10 @@ def word_count(prompt: str) -> int:
     return len(prompt.split())
 
 
-def _spec(context_length: int, vocab: int) -> dict:
+def _spec(context_length: int, vocab: int, weights_seed: Optional[int] = None) -> dict:
+    spec = {} if weights_seed is None else {"weights_seed": int(weights_seed)}
     return {
+        **spec,
         "format": _FORMAT,
         "context_length": int(context_length),
         "vocab": int(vocab),
@@ -105,7 +108,17 @@ def _write(tmp: Path, spec: dict) -> None:
     )
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(str(tmp))
-    # No weight file: servers run with --load-format dummy. A generation config
+    if spec.get("weights_seed") is not None:
+        # Seeded random weights with a large init scale: unlike SGLang's dummy
+        # weights (uniform +-1e-3, every logit ~0, every output token equally likely),
+        # the output depends on the context, so a test can see KV it did not write.
+        import torch
+        from transformers import LlamaForCausalLM
+
+        cfg.initializer_range = 0.5
+        torch.manual_seed(spec["weights_seed"])
+        LlamaForCausalLM(cfg).save_pretrained(str(tmp), safe_serialization=True)
+    # Without weights servers run with --load-format dummy. A generation config
     # keeps SGLang from guessing sampling defaults.
     (tmp / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}, indent=2)
@@ -118,8 +131,12 @@ def make_tiny_model(
     *,
     context_length: int = 1024,
     vocab: int = 256,
+    weights_seed: Optional[int] = None,
 ) -> Path:
     """Create (or reuse) a tiny Llama model directory at ``dir`` and return it.
+
+    ``weights_seed``: also write seeded random weights (``model.safetensors``; start
+    servers with ``load_format="auto"``); without it there is no weight file.
 
     Idempotent: if ``dir`` already holds a model made with the same arguments it
     is reused untouched; if it holds one made with other arguments it is
@@ -131,7 +148,7 @@ def make_tiny_model(
     if context_length < 16:
         raise ValueError("context_length must be >= 16")
     path = Path(dir)
-    spec = _spec(context_length, vocab)
+    spec = _spec(context_length, vocab, weights_seed)
     stamp = path / _STAMP
     if stamp.is_file():
         try:

@@ -11,6 +11,14 @@ before decode's commit-time checks, the way a faulty transfer would leave it:
 * ``freed``: the last reserved page is freed behind the request's back (the request
   keeps using it), as upstream's early-release paths do (docs/design/page-lifetime.md).
 
+On a prefill node with the same variable, a transfer of a room whose high 32 bits are
+``LATE_WRITE_TAG`` fails the way a Mooncake batch that hit its wall-clock timeout
+does: ``_transfer_data`` returns -1 at once while the write itself is still to come.
+The write really happens later, over Mooncake, from a background thread: once the
+file named by ``KVGUARD_FAULT_LATE_WRITE_GATE`` exists (or after
+``KVGUARD_FAULT_LATE_WRITE_S`` seconds, default 5). That is how
+tests/server/test_late_write.py lands a late write in decode pages.
+
 Never set it in production: it exists so that tests can show each fault is caught
 over real Mooncake transfers (tests/server/test_integrity_faults.py).
 """
@@ -66,3 +74,33 @@ def maybe_inject(decode_req, queue=None) -> None:
     else:
         return
     log.warning("fault injection (%s=1): %s applied to rid=%s", ENV, kind, rid)
+
+
+LATE_WRITE_TAG = 0x4B564C57  # "KVLW"
+GATE_ENV = "KVGUARD_FAULT_LATE_WRITE_GATE"
+DELAY_ENV = "KVGUARD_FAULT_LATE_WRITE_S"
+
+
+def late_write(room, write):
+    """Prefill transfer path: for a tagged room, run ``write`` later and return -1 now."""
+    if os.environ.get(ENV) != "1" or room is None or (int(room) >> 32) != LATE_WRITE_TAG:
+        return None
+    import threading
+    import time
+
+    gate, delay = os.environ.get(GATE_ENV), float(os.environ.get(DELAY_ENV, "5"))
+
+    def later() -> None:
+        deadline = time.monotonic() + (120.0 if gate else delay)
+        while time.monotonic() < deadline and not (gate and os.path.exists(gate)):
+            time.sleep(0.01)
+        try:
+            ret = write()
+        except Exception as exc:  # noqa: BLE001
+            ret = repr(exc)
+        log.warning("fault injection (%s=1): the late write of room %s has landed (ret=%s)", ENV, room, ret)
+
+    threading.Thread(target=later, name="kvguard-fault-late-write", daemon=True).start()
+    log.warning("fault injection (%s=1): a Mooncake batch of room %s reports failure (-1) but its write "
+                "is still to come", ENV, room)
+    return -1

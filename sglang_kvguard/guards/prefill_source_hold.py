@@ -104,6 +104,11 @@ TOKEN_ALLOC = target(
     "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator.alloc",
     why="token allocator: a failed allocation waits for held pages to drain",
 )
+TRANSFER_DATA = target(
+    "mooncake.MooncakeKVManager._transfer_data",
+    "sglang.srt.disaggregation.mooncake.conn:MooncakeKVManager._transfer_data",
+    why="the single call into Mooncake's batch transfer",
+)
 ALLOC_WAIT = 5.0  # seconds a failed allocation waits for held pages' transfers to drain
 
 POP_BOOTSTRAPPED = target(
@@ -142,6 +147,25 @@ def _chunk_pages(chunk) -> List[int]:
     return [] if idx is None else page_list(idx)
 
 
+class _Chunk:
+    """The chunk a transfer worker (and the executor threads it hands work to) is sending."""
+
+    __slots__ = ("pages", "futures", "room", "unsettled")
+
+    def __init__(self, pages: List[int], room) -> None:
+        self.pages = pages
+        self.futures: list = []
+        self.room = room
+        self.unsettled = ""  # why a send of it may still be running, once one failed
+
+
+_sending = threading.local()  # .chunk: the _Chunk this thread is sending, if any
+
+
+def current_chunk():
+    return getattr(_sending, "chunk", None)
+
+
 class _PinningQueue:
     """Wraps one of the manager's transfer queues: pin at put, unpin when the worker is done."""
 
@@ -170,26 +194,26 @@ class _PinningQueue:
     def get(self, *args, **kwargs):
         self.finish_current()
         item = self._kvguard_inner.get(*args, **kwargs)
-        self._local.current = (_chunk_pages(item), [], getattr(item, "room", None)) if item is not None else None
+        cur = _Chunk(_chunk_pages(item), getattr(item, "room", None)) if item is not None else None
+        self._local.current = _sending.chunk = cur
         return item
 
     def track_future(self, fut) -> None:
         cur = getattr(self._local, "current", None)
         if cur is not None:
-            cur[1].append(fut)
+            cur.futures.append(fut)
 
     def finish_current(self) -> None:
         """The worker asks for its next chunk: the current one no longer reads its pages,
-        except through futures still running; those unpin when the last one finishes."""
+        except through futures still running; those unpin when the last one finishes.
+        A chunk one of whose Mooncake batches failed is never unpinned (``_settled``)."""
         cur = getattr(self._local, "current", None)
-        self._local.current = None
+        self._local.current = _sending.chunk = None
         if cur is None:
             return
-        pages, futures, room = cur
-        running = [f for f in futures if not f.done()]
+        running = [f for f in cur.futures if not f.done()]
         if not running:
-            self._hold.unpin(pages)
-            transfer_drain.finished(room)
+            self._settled(cur)
             return
         left = {"n": len(running)}
         lock = threading.Lock()
@@ -199,11 +223,30 @@ class _PinningQueue:
                 left["n"] -= 1
                 last = left["n"] == 0
             if last:
-                self._hold.unpin(pages)
-                transfer_drain.finished(room)
+                self._settled(cur)
 
         for f in running:
             f.add_done_callback(done)
+
+    def _settled(self, cur: _Chunk) -> None:
+        if not cur.unsettled:
+            self._hold.unpin(cur.pages)
+            transfer_drain.finished(cur.room)
+            return
+        # Mooncake's batch_transfer_sync gives up on a batch after its wall-clock
+        # timeout and drops the handle while the batch may still be running (upstream
+        # says so itself from 0.5.22, _poison_unsettled_send): the pages stay pinned
+        # (held, then quarantined: never freed blind) and decode is not told the room
+        # drained, so its destination pages stay out of circulation too.
+        from .. import metrics
+
+        metrics.count("unsettled_sends")
+        log.error(
+            "kvguard prefill_source_hold: a Mooncake send of room %s failed (%s) and may still be running "
+            "(a failed batch is not cancelled): its %d source page(s) stay held and are quarantined, never "
+            "freed, and decode is not told that the room drained", cur.room, cur.unsettled, len(cur.pages),
+        )
+        transfer_drain.finished(cur.room, unsettled=cur.unsettled)
 
     def __getattr__(self, name):
         return getattr(self._kvguard_inner, name)
@@ -216,13 +259,52 @@ class _TrackingExecutor:
         self._kvguard_inner = executor
         self._queue = queue
 
-    def submit(self, *args, **kwargs):
-        fut = self._kvguard_inner.submit(*args, **kwargs)
+    def submit(self, fn, /, *args, **kwargs):
+        chunk = current_chunk()
+        if chunk is not None:  # the executor thread sends for the worker's current chunk
+            fut = self._kvguard_inner.submit(_sending_for, chunk, fn, *args, **kwargs)
+        else:
+            fut = self._kvguard_inner.submit(fn, *args, **kwargs)
         self._queue.track_future(fut)
         return fut
 
     def __getattr__(self, name):
         return getattr(self._kvguard_inner, name)
+
+
+def _sending_for(chunk: _Chunk, fn, *args, **kwargs):
+    prev = getattr(_sending, "chunk", None)
+    _sending.chunk = chunk
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _sending.chunk = prev
+
+
+def _transfer_data(original: Callable) -> Callable:
+    """Every Mooncake batch of a chunk goes through here: a failed one may still be running."""
+
+    def _transfer_data(self, mooncake_session_id, transfer_blocks, *args, **kwargs):
+        chunk = current_chunk()
+        if chunk is not None:
+            from . import _faults
+
+            late = _faults.late_write(chunk.room, lambda: original(self, mooncake_session_id, transfer_blocks,
+                                                                   *args, **kwargs))
+            if late is not None:
+                chunk.unsettled = chunk.unsettled or f"ret={late}"
+                return late
+        try:
+            ret = original(self, mooncake_session_id, transfer_blocks, *args, **kwargs)
+        except BaseException as exc:
+            if chunk is not None:
+                chunk.unsettled = chunk.unsettled or f"raised {type(exc).__name__}"
+            raise
+        if chunk is not None and ret not in (0, None):
+            chunk.unsettled = chunk.unsettled or f"ret={ret}"
+        return ret
+
+    return _transfer_data
 
 
 _proxy_lock = threading.Lock()
@@ -488,11 +570,12 @@ class PrefillSourceHoldGuard(Guard):
     targets = (
         SCHEDULER_INIT, TRANSFER_WORKER, ADD_TRANSFER, PAGED_FREE, PAGED_RELEASE, TOKEN_FREE,
         POP_BOOTSTRAPPED, HELD_MIXIN, HELD_OBSERVER, PAGED_ALLOC, PAGED_ALLOC_EXTEND, TOKEN_ALLOC,
+        TRANSFER_DATA,
     )
 
     def decide(self, ctx) -> Decision:
         patches = [SCHEDULER_INIT.key, TRANSFER_WORKER.key, ADD_TRANSFER.key, TOKEN_FREE.key, POP_BOOTSTRAPPED.key,
-                   PAGED_ALLOC.key, PAGED_ALLOC_EXTEND.key, TOKEN_ALLOC.key]
+                   PAGED_ALLOC.key, PAGED_ALLOC_EXTEND.key, TOKEN_ALLOC.key, TRANSFER_DATA.key]
         patches.append(PAGED_RELEASE.key if ctx.has(PAGED_RELEASE.key) else PAGED_FREE.key)
         patches.append(HELD_OBSERVER.key if ctx.has(HELD_OBSERVER.key) else HELD_MIXIN.key)
         for key in patches:
@@ -505,6 +588,7 @@ class PrefillSourceHoldGuard(Guard):
         return {
             SCHEDULER_INIT.key: _scheduler_init(q),
             TRANSFER_WORKER.key: _transfer_worker,
+            TRANSFER_DATA.key: _transfer_data,
             ADD_TRANSFER.key: _add_transfer_request,
             PAGED_FREE.key: _paged_free,
             PAGED_RELEASE.key: _paged_release,

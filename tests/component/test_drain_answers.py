@@ -146,3 +146,44 @@ def test_answer_waits_for_transfer_futures_the_worker_left_running(sgl, answers)
         finally:
             release.set()
         assert recv(3000) is not None
+
+
+def test_a_failed_send_is_never_confirmed_and_its_pages_stay_held(sgl, answers):
+    """Mooncake gives up on a batch (-1) without cancelling it: the room is never
+    confirmed drained and the chunk's source pages stay pinned (then quarantined)."""
+    import concurrent.futures
+
+    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.guards.prefill_source_hold import _TrackingExecutor, _transfer_data
+
+    port, recv = answers
+    mgr = _manager()
+    q = _queue()
+    calls = []
+
+    def upstream_transfer_data(self, session, blocks):  # what Mooncake answers on its timeout
+        calls.append((session, blocks))
+        return -1 if session == "timed-out" else 0
+
+    wrapped = _transfer_data(upstream_transfer_data)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        ex = _TrackingExecutor(pool, q)
+        q.put(transfer_chunk(ROOM, [7, 8]))
+        q.put(transfer_chunk(ROOM + 1, [9]))
+        q.get()
+        # layers go out on executor threads, as in send_kvcache
+        assert ex.submit(wrapped, mgr, "ok", [(1, 2, 3)]).result() == 0
+        assert ex.submit(wrapped, mgr, "timed-out", [(4, 5, 6)]).result() == -1
+        transfer_drain.drain_requested(mgr, ROOM, "127.0.0.1", port)
+        q.get()  # done with ROOM; the next room's chunk is in flight
+        assert recv(500) is None, "confirmed a room whose failed batch may still write"
+        assert transfer_drain.is_unsettled(ROOM)
+        assert q._hold.pinned(7) and q._hold.pinned(8), "the failed chunk's source pages were unpinned"
+        assert wrapped(mgr, "ok", [(1, 2, 3)]) == 0  # worker thread, ROOM + 1
+        transfer_drain.drain_requested(mgr, ROOM + 1, "127.0.0.1", port)
+        q.finish_current()
+        assert recv(3000) == (ROOM + 1, "127.0.0.1:1"), "a room whose sends succeeded is confirmed"
+        assert not q._hold.pinned(9) and q._hold.pinned(7)
+        transfer_drain.drain_requested(mgr, ROOM, "127.0.0.1", port)  # asked again later: still not
+        assert recv(500) is None
+    assert len(calls) == 3
