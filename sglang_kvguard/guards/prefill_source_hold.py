@@ -109,6 +109,11 @@ TRANSFER_DATA = target(
     "sglang.srt.disaggregation.mooncake.conn:MooncakeKVManager._transfer_data",
     why="the single call into Mooncake's batch transfer",
 )
+ABORT_ACK = target(
+    "common.CommonKVManager._send_abort_ack",
+    "sglang.srt.disaggregation.common.conn:CommonKVManager._send_abort_ack",
+    why="prefill, 0.5.19+: upstream's ack that an aborted room drained (withheld for a failed send)",
+)
 ALLOC_WAIT = 5.0  # seconds a failed allocation waits for held pages' transfers to drain
 
 POP_BOOTSTRAPPED = target(
@@ -305,6 +310,30 @@ def _transfer_data(original: Callable) -> Callable:
         return ret
 
     return _transfer_data
+
+
+def _ack_room(args, kwargs):
+    if "room" in kwargs:
+        return kwargs["room"]
+    # (decode_ip, decode_port, room) up to 0.5.21; (room, target) from 0.5.22
+    return args[2] if len(args) >= 3 and isinstance(args[0], str) else (args[0] if args else None)
+
+
+def _send_abort_ack(original: Callable) -> Callable:
+    """Upstream's drain ack (decode's deferred release, 0.5.19+) is never sent for a room
+    whose failed batch may still write: 0.5.19-0.5.21 would send it (0.5.22+ poison it
+    themselves, but only on their deferred path)."""
+
+    def _send_abort_ack(self, *args, **kwargs):
+        room = _ack_room(args, kwargs)
+        if room is not None and transfer_drain.is_unsettled(room):
+            log.error("kvguard prefill_source_hold: not acking decode's abort of room %s: a failed Mooncake send of "
+                      "it may still write decode's pages (decode keeps them until its release timeout, which "
+                      "kvguard's decode_deferred_release turns into quarantine)", room)
+            return None
+        return original(self, *args, **kwargs)
+
+    return _send_abort_ack
 
 
 _proxy_lock = threading.Lock()
@@ -570,7 +599,7 @@ class PrefillSourceHoldGuard(Guard):
     targets = (
         SCHEDULER_INIT, TRANSFER_WORKER, ADD_TRANSFER, PAGED_FREE, PAGED_RELEASE, TOKEN_FREE,
         POP_BOOTSTRAPPED, HELD_MIXIN, HELD_OBSERVER, PAGED_ALLOC, PAGED_ALLOC_EXTEND, TOKEN_ALLOC,
-        TRANSFER_DATA,
+        TRANSFER_DATA, ABORT_ACK,
     )
 
     def decide(self, ctx) -> Decision:
@@ -578,6 +607,8 @@ class PrefillSourceHoldGuard(Guard):
                    PAGED_ALLOC.key, PAGED_ALLOC_EXTEND.key, TOKEN_ALLOC.key, TRANSFER_DATA.key]
         patches.append(PAGED_RELEASE.key if ctx.has(PAGED_RELEASE.key) else PAGED_FREE.key)
         patches.append(HELD_OBSERVER.key if ctx.has(HELD_OBSERVER.key) else HELD_MIXIN.key)
+        if ctx.has(ABORT_ACK.key):
+            patches.append(ABORT_ACK.key)
         for key in patches:
             ctx.require(key)
         sink = "_release_page_ids" if PAGED_RELEASE.key in patches else "free"
@@ -589,6 +620,7 @@ class PrefillSourceHoldGuard(Guard):
             SCHEDULER_INIT.key: _scheduler_init(q),
             TRANSFER_WORKER.key: _transfer_worker,
             TRANSFER_DATA.key: _transfer_data,
+            ABORT_ACK.key: _send_abort_ack,
             ADD_TRANSFER.key: _add_transfer_request,
             PAGED_FREE.key: _paged_free,
             PAGED_RELEASE.key: _paged_release,

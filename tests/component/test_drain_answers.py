@@ -187,3 +187,38 @@ def test_a_failed_send_is_never_confirmed_and_its_pages_stay_held(sgl, answers):
         transfer_drain.drain_requested(mgr, ROOM, "127.0.0.1", port)  # asked again later: still not
         assert recv(500) is None
     assert len(calls) == 3
+
+
+def test_upstream_drain_ack_is_withheld_for_an_unsettled_room(sgl, answers):
+    """0.5.19+: decode's deferred release waits for upstream's ABORT_ACK; prefill never
+    sends it for a room whose failed batch may still write (0.5.19-0.5.21 would)."""
+    import inspect
+    import types
+
+    from sglang.srt.disaggregation.common import conn
+
+    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.guards.prefill_source_hold import _send_abort_ack
+
+    upstream = getattr(conn.CommonKVManager, "_send_abort_ack", None)
+    if upstream is None:
+        pytest.skip("no upstream drain ack before 0.5.19")
+    sent = []
+    mgr = object.__new__(conn.CommonKVManager)
+    mgr._send_multipart_locked = lambda addr, frames, **kw: sent.append(frames)
+    mgr._prefill_unique_rank = lambda: 0
+    wrapped = _send_abort_ack(upstream)
+    first = list(inspect.signature(upstream).parameters)[1]
+
+    def ack(room):
+        if first == "room":  # 0.5.22+
+            wrapped(mgr, room, types.SimpleNamespace(ip="127.0.0.1", port=5, generation=0))
+        else:
+            wrapped(mgr, "127.0.0.1", 5, room)
+
+    transfer_drain.enqueued(ROOM)
+    transfer_drain.finished(ROOM, unsettled="ret=-1")
+    ack(ROOM)
+    assert sent == [], "acked a room whose failed batch may still write"
+    ack(ROOM + 1)
+    assert len(sent) == 1, "a settled room's ack goes through"

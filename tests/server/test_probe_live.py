@@ -2,7 +2,10 @@
 
 * Unguarded 0.5.19 (the incident's geometry, see test_incident_red.py): the probe
   reports over_capacity FAIL with the incident's reason (HTTP 200 for prompts the
-  prefill pool cannot hold) and exits 1. Unguarded 0.5.20+: over_capacity FAILs too,
+  prefill pool cannot hold) and cross_tenant FAIL (the over-limit prompt's output
+  changes with other tenants' traffic: decode attended over their KV), and exits 1.
+  The trios serve the tiny model with seeded random weights; with dummy weights no
+  output depends on its context and cross_tenant could not fail. Unguarded 0.5.20+: over_capacity FAILs too,
   for the other reason (no answer within the timeout).
 * Guarded, pool policy ``warn`` (as in test_rejection_notice.py): over_capacity,
   prompt_tokens and cross_tenant PASS, exit 0.
@@ -63,11 +66,21 @@ def _checks(rep):
     return {c["name"]: c for c in rep["checks"]}
 
 
-def test_probe_fails_the_unguarded_deployment_with_the_incident(release, pd_factory, tmp_path):
+@pytest.fixture(scope="module")
+def start(pd_factory, weighted_tiny_model):
+    """Every trio here serves the tiny model with seeded random weights: with SGLang's
+    dummy weights every logit is ~0 and no output depends on its context, so the
+    probe's cross_tenant check could not fail whatever decode attended to."""
+    def go(name, **kw):
+        return pd_factory(name, model=weighted_tiny_model, load_format="auto", **kw)
+    return go
+
+
+def test_probe_fails_the_unguarded_deployment_with_the_incident(release, start, tmp_path):
     if release.version_tuple > VULNERABLE_UP_TO:
         pytest.skip(f"SGLang {release.version} does not answer 200 here (see test_incident_red.py); "
                     "the probe would report a timeout / 5xx instead")
-    d = pd_factory("unguarded", launcher="sglang.launch_server")
+    d = start("unguarded", launcher="sglang.launch_server")
     try:
         junit = tmp_path / "probe.xml"
         rc, rep, summary = _probe(d.router_url, "--timeout", "20", "--junit", str(junit))
@@ -82,15 +95,20 @@ def test_probe_fails_the_unguarded_deployment_with_the_incident(release, pd_fact
     for r in oc["measurements"]["requests"]:
         assert r["status"] == 200 and r["prompt_tokens"] == r["tokens"] > UPSTREAM_LIMIT, r
     assert checks["prompt_tokens"]["status"] == "PASS", summary
+    # the incident's data leak itself: the over-limit prompt's answer is computed over
+    # decode pages that still hold other tenants' KV, so it changes with their traffic
+    ct = checks["cross_tenant"]
+    assert ct["status"] == "FAIL", summary
+    assert "output depends on other tenants' traffic: the over-limit victim" in ct["reason"], summary
     assert "the incident" in junit.read_text()
 
 
-def test_probe_fails_the_unguarded_deployment_after_0_5_19(release, pd_factory):
+def test_probe_fails_the_unguarded_deployment_after_0_5_19(release, start):
     """0.5.20+ unguarded: no 200, but the client gets nothing until decode's transfer
     timeout (300 s), then a 500 (test_incident_red.py's docstring): still a FAIL."""
     if release.version_tuple <= VULNERABLE_UP_TO:
         pytest.skip("covered by the test above on releases that answer 200")
-    d = pd_factory("unguarded-late", launcher="sglang.launch_server")
+    d = start("unguarded-late", launcher="sglang.launch_server")
     try:
         rc, rep, summary = _probe(d.router_url, "--timeout", "10", "--only", "over_capacity")
     finally:
@@ -102,8 +120,8 @@ def test_probe_fails_the_unguarded_deployment_after_0_5_19(release, pd_factory):
 
 
 @pytest.fixture(scope="module")
-def guarded(pd_factory):
-    return pd_factory("guarded", launcher="sglang_kvguard.launch_server",
+def guarded(start):
+    return start("guarded", launcher="sglang_kvguard.launch_server",
                       prefill_extra_args=RELAX, decode_extra_args=RELAX)
 
 
@@ -132,11 +150,11 @@ def test_pytest_plugin_against_the_guarded_deployment(guarded, pytester):
     res.assert_outcomes(passed=2, deselected=3)
 
 
-def test_probe_passes_every_check_on_a_correctly_sized_guarded_deployment(pd_factory, guarded):
+def test_probe_passes_every_check_on_a_correctly_sized_guarded_deployment(start, guarded):
     """Pools that hold the context (2048 >= 1024): every check passes, exit 0,
     including the prompts at and one past the limit."""
     guarded.stop()  # free the cores for this trio (the guarded trio's tests ran above)
-    d = pd_factory("guarded-sized", launcher="sglang_kvguard.launch_server", prefill_max_total_tokens=2048)
+    d = start("guarded-sized", launcher="sglang_kvguard.launch_server", prefill_max_total_tokens=2048)
     rc, rep, summary = _probe(d.router_url, "--timeout", "60")
     checks = _checks(rep)
     assert rc == 0, summary
