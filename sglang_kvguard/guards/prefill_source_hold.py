@@ -38,6 +38,8 @@ from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from .. import transfer_drain
 from ..page_hold import HOLDS, PageHold, bind_at_scheduler_init, bind_hold, hold_for_allocator
+from . import _faults
+from .mooncake_batch_bound import TRANSFER_DATA  # one declaration of the batch sink
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -103,11 +105,6 @@ TOKEN_ALLOC = target(
     "sglang.srt.mem_cache.allocator:TokenToKVPoolAllocator.alloc",
     "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator.alloc",
     why="token allocator: a failed allocation waits for held pages to drain",
-)
-TRANSFER_DATA = target(
-    "mooncake.MooncakeKVManager._transfer_data",
-    "sglang.srt.disaggregation.mooncake.conn:MooncakeKVManager._transfer_data",
-    why="the single call into Mooncake's batch transfer",
 )
 ABORT_ACK = target(
     "common.CommonKVManager._send_abort_ack",
@@ -292,8 +289,6 @@ def _transfer_data(original: Callable) -> Callable:
     def _transfer_data(self, mooncake_session_id, transfer_blocks, *args, **kwargs):
         chunk = current_chunk()
         if chunk is not None:
-            from . import _faults
-
             late = _faults.late_write(chunk.room, lambda: original(self, mooncake_session_id, transfer_blocks,
                                                                    *args, **kwargs))
             if late is not None:
