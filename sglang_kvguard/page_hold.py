@@ -45,6 +45,9 @@ class PageHold:
         self._quarantined: set = set()
         self._allocator_ref = None
         self.page_size = 1
+        # True where the caller reports quarantine per room (decode_destination_hold):
+        # the per-page report then goes to INFO instead of a second ERROR line.
+        self.rooms_report = False
         self.stats = {"diverted": 0, "released": 0, "quarantined": 0, "released_from_quarantine": 0}
 
     # -- binding
@@ -132,7 +135,8 @@ class PageHold:
             self._quarantined.update(new)
             self.stats["quarantined"] += len(new)
         if new:
-            log.error(
+            log.log(
+                logging.INFO if self.rooms_report else logging.ERROR,
                 "kvguard page hold (%s): %d page(s) freed %.0f s ago are still in use by a transfer that "
                 "has not drained; quarantined (kept out of the free list, never freed blind): %s",
                 self.role, len(new), self.quarantine_after, sorted(new)[:32],

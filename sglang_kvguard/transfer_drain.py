@@ -12,7 +12,8 @@ This module is the prefill half, in every prefill scheduler process:
   queue wrapper when a chunk of the room is queued and when the worker is done with
   it (its futures included): the room's outstanding chunks;
 * a room one of whose Mooncake batches failed (``finished(room, unsettled=...)``) is
-  never confirmed: Mooncake does not cancel a failed batch, so it may still write;
+  not confirmed: Mooncake does not cancel a failed batch, so it may still write; only
+  when the peer of every such batch is gone (``settle(room)``, peer_liveness) may it be;
 * ``drain_requested(...)``: decode asked (``KVGUARD_DRAIN/1`` on the KV manager's
   bootstrap socket). The room is marked aborted: the manager's status becomes
   Failed (if the room is known and not yet Success) and ``gate_chunk`` refuses every
@@ -40,6 +41,7 @@ _outstanding: Dict[int, int] = {}
 _aborted: Dict[int, float] = {}
 _waiters: Dict[int, Set[Tuple[str, int]]] = {}
 _unsettled: Dict[int, str] = {}  # rooms a failed Mooncake batch may still write (kept: never confirmed)
+_unsettled_n: Dict[int, int] = {}  # how many of the room's chunks are unsettled
 _identity: Dict[str, str] = {"rank": ""}
 stats = {"requests": 0, "acks": 0, "chunks_refused": 0, "withheld": 0}
 
@@ -85,6 +87,7 @@ def finished(room, unsettled: str = "") -> None:
     with _lock:
         if unsettled:
             _unsettled.setdefault(room, unsettled)
+            _unsettled_n[room] = _unsettled_n.get(room, 0) + 1
         n = _outstanding.get(room, 0) - 1
         if n > 0:
             _outstanding[room] = n
@@ -104,6 +107,21 @@ def _withhold(room: int, n: int) -> None:
     log.error("kvguard: room %s is not confirmed drained to %d decode endpoint(s): a failed Mooncake send of it "
               "(%s) may still write decode's pages, which decode therefore keeps quarantined",
               room, n, _unsettled.get(room, "?"))
+
+
+def settle(room) -> None:
+    """One unsettled chunk of ``room`` can no longer run (its peer is gone). When the
+    last one is settled, the room may be confirmed drained again (decode asks again)."""
+    if room is None:
+        return
+    room = int(room)
+    with _lock:
+        n = _unsettled_n.get(room, 0) - 1
+        if n > 0:
+            _unsettled_n[room] = n
+            return
+        _unsettled_n.pop(room, None)
+        _unsettled.pop(room, None)
 
 
 def is_unsettled(room) -> bool:
@@ -220,3 +238,4 @@ def reset() -> None:
         _aborted.clear()
         _waiters.clear()
         _unsettled.clear()
+        _unsettled_n.clear()

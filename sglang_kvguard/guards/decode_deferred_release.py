@@ -122,6 +122,61 @@ def _page_count(queue, decode_req) -> int:
     return -(-n // int(ps))
 
 
+def _field(info, name):
+    return info.get(name) if isinstance(info, dict) else getattr(info, name, None)
+
+
+def prefill_ranks(decode_req) -> list:
+    """``host:port`` of the prefill ranks that write this request (dummy ranks excluded)."""
+    infos = getattr(getattr(decode_req, "kv_receiver", None), "bootstrap_infos", None) or ()
+    out = []
+    for info in infos:
+        ip, port = _field(info, "rank_ip"), _field(info, "rank_port")
+        if ip is not None and port is not None and not _field(info, "is_dummy"):
+            out.append(f"{ip}:{int(port)}")
+    return out
+
+
+_gone_lock = threading.Lock()
+_gone: Dict[int, set] = {}  # id(decode_req) -> its prefill ranks confirmed gone (peer_liveness thread)
+
+
+def _watch_ranks(rec: list, decode_req) -> None:
+    """A prefill rank that is gone writes nothing more: once every rank of the hold is
+    gone, the hold counts as drained (``_drop_gone_ranks`` before upstream's resolve)."""
+    from .prefill_source_hold import _watch
+
+    key = id(decode_req)
+    for rank in prefill_ranks(decode_req):
+        def gone(rank=rank):
+            with _gone_lock:
+                _gone.setdefault(key, set()).add(rank)
+
+        rec[3].append(_watch().watch([rank], gone, what=f"room {getattr(decode_req.req, 'bootstrap_room', '?')}"))
+
+
+def _drop_gone_ranks(queue) -> None:
+    """Holds whose prefill ranks are all gone need no more acks (``required_acks`` 0)."""
+    if not _gone:
+        return
+    entries = getattr(queue, "_deferred_releases", None)
+    if not entries:
+        return
+    from .. import metrics
+
+    for i, entry in enumerate(list(entries)):
+        decode_req = entry[0]
+        with _gone_lock:
+            gone = set(_gone.get(id(decode_req), ()))
+        ranks = prefill_ranks(decode_req)
+        if not gone or not ranks or not set(ranks) <= gone or entry[-1] == 0:
+            continue
+        entries[i] = tuple(entry[:-1]) + (0,)
+        metrics.count("drain_ranks_gone", n=len(ranks))
+        log.warning("kvguard decode_deferred_release: prefill rank(s) %s of room %s are gone; they count as drained",
+                    ", ".join(ranks), getattr(decode_req.req, "bootstrap_room", "?"))
+
+
 def _defer_release(original: Callable) -> Callable:
     def _defer_release(self, decode_req, *args, **kwargs):
         if self.__dict__.get("deferred_kv_release_timeout") != float("inf"):
@@ -132,8 +187,14 @@ def _defer_release(original: Callable) -> Callable:
                          self.__dict__.get("deferred_kv_release_timeout"))
             self.deferred_kv_release_timeout = float("inf")
         since = self.__dict__.setdefault(SINCE, {})
-        since[id(decode_req)] = [time.monotonic(), decode_req, False]
-        return original(self, decode_req, *args, **kwargs)
+        rec = since[id(decode_req)] = [time.monotonic(), decode_req, False, []]
+        out = original(self, decode_req, *args, **kwargs)
+        try:
+            _watch_ranks(rec, decode_req)
+        except Exception as exc:  # noqa: BLE001 - the hold stays, only the gone-peer release is lost
+            log.warning("kvguard decode_deferred_release: watching the prefill ranks of room %s failed: %s",
+                        getattr(decode_req.req, "bootstrap_room", "?"), exc)
+        return out
 
     return _defer_release
 
@@ -149,11 +210,12 @@ def sweep(queue, quarantine_after: float, now: Optional[float] = None) -> None:
     held_ids = {id(entry[0]) for entry in getattr(queue, "_deferred_releases", ())}
     held = quarantined = 0
     for key, rec in list(since.items()):
-        t0, decode_req, was_quarantined = rec
+        t0, decode_req, was_quarantined = rec[:3]
         room = getattr(decode_req.req, "bootstrap_room", None)
         n = _page_count(queue, decode_req)
         if key not in held_ids:
             del since[key]
+            _forget(key, rec)
             if was_quarantined:
                 log.warning("kvguard decode_deferred_release: room %s drained after %.0f s; its %d quarantined "
                             "page(s) are released", room, now - t0, n)
@@ -173,9 +235,22 @@ def sweep(queue, quarantine_after: float, now: Optional[float] = None) -> None:
         _pages["held"], _pages["quarantined"] = held, quarantined
 
 
+def _forget(key: int, rec: list) -> None:
+    from .prefill_source_hold import _watch
+
+    for entry in rec[3] if len(rec) > 3 else ():
+        _watch().cancel(entry)
+    with _gone_lock:
+        _gone.pop(key, None)
+
+
 def _resolve(quarantine_after: float) -> Callable[[Callable], Callable]:
     def factory(original: Callable) -> Callable:
         def resolve_deferred_releases(self, *args, **kwargs):
+            try:
+                _drop_gone_ranks(self)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("kvguard decode_deferred_release: checking for gone prefill ranks failed: %s", exc)
             out = original(self, *args, **kwargs)
             try:
                 sweep(self, quarantine_after)

@@ -82,7 +82,7 @@ _STRAY_AFTER = 5.0  # seconds a pinned room may be outside the transfer queue (i
 
 class _Room:
     __slots__ = ("room", "rid", "pages", "meta", "ranks", "addr", "since", "acked", "quarantined", "local_ip",
-                 "pinned_at")
+                 "pinned_at", "watches")
 
     def __init__(self, room: int, pages: List[int], meta: Optional[int], ranks, addr: str) -> None:
         self.room = room
@@ -96,6 +96,7 @@ class _Room:
         self.quarantined = False
         self.local_ip: Optional[str] = None  # decode's address (the KV manager's), for the answers
         self.pinned_at = time.monotonic()
+        self.watches: list = []  # peer_liveness handles of its prefill ranks
 
 
 _lock = threading.Lock()
@@ -285,6 +286,10 @@ def answered(room: int, rank: str) -> None:
         _rooms.pop(room, None)
     if hold is not None:
         _unpin(rec, hold)
+    from .prefill_source_hold import _watch
+
+    for entry in rec.watches:
+        _watch().cancel(entry)
     waited = time.monotonic() - rec.since
     if rec.quarantined:
         from .. import metrics
@@ -306,6 +311,31 @@ def _request_drain(rec: _Room, local_ip: Optional[str]) -> None:
                   rec.room)
         return
     _drain_service(local_ip).q.put(rec)
+    _watch_ranks(rec)
+
+
+def _watch_ranks(rec: _Room) -> None:
+    """A prefill rank that is gone (its bootstrap socket refuses connections) writes
+    nothing any more: it counts as having answered the room's drain request."""
+    from .prefill_source_hold import _watch
+
+    w = _watch()
+    for ip, port in rec.ranks:
+        rank = f"{ip}:{port}"
+        rec.watches.append(w.watch([rank], lambda rank=rank: _rank_gone(rec.room, rank), what=f"room {rec.room}"))
+
+
+def _rank_gone(room: int, rank: str) -> None:
+    with _lock:
+        rec = _rooms.get(room)
+        if rec is None or rank in rec.acked:
+            return
+    from .. import metrics
+
+    metrics.count("drain_ranks_gone")
+    log.warning("kvguard decode_destination_hold: prefill rank %s of room %s is gone; it counts as drained", rank,
+                room)
+    answered(room, rank)
 
 
 # ----------------------------------------------------------------------------- decode: the transfer queue
@@ -390,6 +420,7 @@ def sweep(hold: PageHold, now: float) -> None:
                   "free list, never freed blind; released if the drain is confirmed later)",
                   r.room, r.rid, now - r.since, len(r.ranks), len(r.acked), len(r.pages))
         metrics.count("pages_quarantined", n=len(r.pages), role=ROLE)
+    hold.rooms_report = True  # the lines above name each room; the hold's own report is INFO
     hold.sweep(now)
 
 

@@ -294,16 +294,48 @@ def _is_radix(tree) -> bool:
 
 
 def _shared_prefix_slots(sched, req, table: GenerationTable) -> int:
-    """Page slots at the head of the row that belong to decode's radix cache (not ours to free)."""
+    """Page slots at the head of the row that belong to decode's radix cache (not ours to free).
+
+    The larger of the request's protected length (``kv.cache_protected_len``, 0.5.19+:
+    upstream's own "not this request's to free") and its matched prefix
+    (``prefix_indices``; 0.5.22+ no longer keep it on the request): when unsure,
+    leave a page to the cache rather than free a page the cache still holds."""
     if not _is_radix(getattr(sched, "tree_cache", None)):
         return 0
+    n = 0
+    for holder in (getattr(req, "kv", None), req):
+        v = getattr(holder, "cache_protected_len", None) if holder is not None else None
+        if isinstance(v, int):
+            n = max(n, v)
     prefix = getattr(req, "prefix_indices", None)
-    n = len(prefix) if prefix is not None else 0
+    if prefix is not None:
+        n = max(n, len(prefix))
     return -(-n // table.page_size)
 
 
+def _unlock_prefix(sched, req) -> bool:
+    """Give back the failed request's lock on its prefix in decode's radix cache (the
+    prefix pages stay in the cache, evictable again), the way upstream does when a
+    request ends: ``unlock(req.lock)`` from 0.5.22, ``dec_lock_ref(req.last_node)`` before."""
+    tree = getattr(sched, "tree_cache", None)
+    if not _is_radix(tree):
+        return False
+    lock = getattr(req, "lock", None)
+    if lock is not None and hasattr(tree, "unlock"):
+        tree.unlock(lock)
+        req.lock = None
+        return True
+    node = getattr(req, "last_node", None)
+    if node is not None and hasattr(tree, "dec_lock_ref") and not hasattr(tree, "unlock"):
+        tree.dec_lock_ref(node)
+        req.last_node = None
+        return True
+    return False
+
+
 def release_failed(sched, req, table: GenerationTable, bad_pages) -> int:
-    """Free what the failed request still owns: its pages whose generation matches, and its row.
+    """Free what the failed request still owns: its pages whose generation matches, and
+    its row; give back its lock on a shared radix-cache prefix.
 
     Returns the number of pages freed. Pages that changed owner are never freed here."""
     import torch
@@ -319,6 +351,11 @@ def release_failed(sched, req, table: GenerationTable, bad_pages) -> int:
         alloc.free(torch.tensor(own, dtype=torch.int64, device=table.req_to_token.device) * ps)
     table.rec_len[row] = 0
     sched.req_to_token_pool.free(req)
+    try:
+        _unlock_prefix(sched, req)
+    except Exception as exc:  # noqa: BLE001 - the prefix then stays locked (resident), as before
+        log.error("kvguard page_generation: unlocking rid=%s's radix-cache prefix failed (it stays resident): %s",
+                  getattr(req, "rid", "?"), exc)
     return len(own)
 
 

@@ -36,7 +36,7 @@ from ..activation import SCHEDULER_INIT
 from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
-from .. import transfer_drain
+from .. import peer_liveness, transfer_drain
 from ..page_hold import HOLDS, PageHold, bind_at_scheduler_init, bind_hold, hold_for_allocator
 from . import _faults
 from .mooncake_batch_bound import TRANSFER_DATA  # one declaration of the batch sink
@@ -58,6 +58,26 @@ register_flag(
         "Seconds a KV page may wait, freed but still in use by a transfer that has not "
         "drained, before kvguard reports it quarantined (it is never freed blind).",
         validate=_positive,
+    )
+)
+
+
+
+def _non_negative(value: str) -> float:
+    v = float(value)
+    if v < 0:
+        raise ValueError("must be >= 0")
+    return v
+
+
+register_flag(
+    Flag(
+        "peer_probe_interval",
+        "5",
+        "Seconds between checks of whether the peer of a failed Mooncake send is gone (its session "
+        "port refuses connections twice in a row). A failed send's pages are held until then; 0 holds "
+        "them until restart.",
+        validate=_non_negative,
     )
 )
 
@@ -152,13 +172,19 @@ def _chunk_pages(chunk) -> List[int]:
 class _Chunk:
     """The chunk a transfer worker (and the executor threads it hands work to) is sending."""
 
-    __slots__ = ("pages", "futures", "room", "unsettled")
+    __slots__ = ("pages", "futures", "room", "unsettled", "failed_peers")
 
     def __init__(self, pages: List[int], room) -> None:
         self.pages = pages
         self.futures: list = []
         self.room = room
         self.unsettled = ""  # why a send of it may still be running, once one failed
+        self.failed_peers: set = set()  # Mooncake sessions its failed batches went to
+
+    def failed(self, peer, why: str) -> None:
+        self.unsettled = self.unsettled or why
+        if peer:
+            self.failed_peers.add(str(peer))
 
 
 _sending = threading.local()  # .chunk: the _Chunk this thread is sending, if any
@@ -239,16 +265,32 @@ class _PinningQueue:
         # timeout and drops the handle while the batch may still be running (upstream
         # says so itself from 0.5.22, _poison_unsettled_send): the pages stay pinned
         # (held, then quarantined: never freed blind) and decode is not told the room
-        # drained, so its destination pages stay out of circulation too.
+        # drained, so its destination pages stay out of circulation too. They are
+        # released only once every peer the failed batches went to is gone
+        # (peer_liveness: nothing can then still read them for it).
         from .. import metrics
 
         metrics.count("unsettled_sends")
+        peers = sorted(cur.failed_peers)
         log.error(
-            "kvguard prefill_source_hold: a Mooncake send of room %s failed (%s) and may still be running "
-            "(a failed batch is not cancelled): its %d source page(s) stay held and are quarantined, never "
-            "freed, and decode is not told that the room drained", cur.room, cur.unsettled, len(cur.pages),
+            "kvguard prefill_source_hold: a Mooncake send of room %s to %s failed (%s) and may still be running "
+            "(a failed batch is not cancelled): its %d source page(s) stay held, quarantined, never freed blind, "
+            "and decode is not told that the room drained; %s", cur.room, ", ".join(peers) or "?", cur.unsettled,
+            len(cur.pages), "they are released if that peer goes away" if peers and _settings["probe_interval"] > 0
+            else "they stay held until this process restarts",
         )
         transfer_drain.finished(cur.room, unsettled=cur.unsettled)
+        _watch().watch(peers, lambda: self._peer_gone(cur, peers), what=f"room {cur.room}")
+
+    def _peer_gone(self, cur: _Chunk, peers: List[str]) -> None:
+        """Every peer the chunk's failed batches went to is gone: nothing reads its pages any more."""
+        from .. import metrics
+
+        self._hold.unpin(cur.pages)
+        transfer_drain.settle(cur.room)
+        metrics.count("unsettled_sends_settled")
+        log.warning("kvguard prefill_source_hold: the failed send of room %s can no longer run (%s gone): its %d "
+                    "source page(s) are released", cur.room, ", ".join(peers), len(cur.pages))
 
     def __getattr__(self, name):
         return getattr(self._kvguard_inner, name)
@@ -292,19 +334,28 @@ def _transfer_data(original: Callable) -> Callable:
             late = _faults.late_write(chunk.room, lambda: original(self, mooncake_session_id, transfer_blocks,
                                                                    *args, **kwargs))
             if late is not None:
-                chunk.unsettled = chunk.unsettled or f"ret={late}"
+                chunk.failed(mooncake_session_id, f"ret={late}")
                 return late
         try:
             ret = original(self, mooncake_session_id, transfer_blocks, *args, **kwargs)
         except BaseException as exc:
             if chunk is not None:
-                chunk.unsettled = chunk.unsettled or f"raised {type(exc).__name__}"
+                chunk.failed(mooncake_session_id, f"raised {type(exc).__name__}")
             raise
         if chunk is not None and ret not in (0, None):
-            chunk.unsettled = chunk.unsettled or f"ret={ret}"
+            chunk.failed(mooncake_session_id, f"ret={ret}")
         return ret
 
     return _transfer_data
+
+
+_settings = {"probe_interval": 5.0}
+
+
+def _watch() -> "peer_liveness.PeerWatch":
+    w = peer_liveness.WATCH
+    w.interval = _settings["probe_interval"]
+    return w
 
 
 def _ack_room(args, kwargs):
@@ -611,6 +662,7 @@ class PrefillSourceHoldGuard(Guard):
 
     def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
         q = float(ctx.config.get("quarantine_after"))
+        _settings["probe_interval"] = float(ctx.config.get("peer_probe_interval"))
         return {
             SCHEDULER_INIT.key: _scheduler_init(q),
             TRANSFER_WORKER.key: _transfer_worker,

@@ -148,7 +148,7 @@ def test_answer_waits_for_transfer_futures_the_worker_left_running(sgl, answers)
         assert recv(3000) is not None
 
 
-def test_a_failed_send_is_never_confirmed_and_its_pages_stay_held(sgl, answers):
+def test_a_failed_send_is_never_confirmed_and_its_pages_stay_held(sgl, answers, peer_watch):
     """Mooncake gives up on a batch (-1) without cancelling it: the room is never
     confirmed drained and the chunk's source pages stay pinned (then quarantined)."""
     import concurrent.futures
@@ -187,6 +187,76 @@ def test_a_failed_send_is_never_confirmed_and_its_pages_stay_held(sgl, answers):
         transfer_drain.drain_requested(mgr, ROOM, "127.0.0.1", port)  # asked again later: still not
         assert recv(500) is None
     assert len(calls) == 3
+
+
+@pytest.fixture
+def peer_watch(monkeypatch):
+    """prefill_source_hold's peer watch, driven by hand (no background thread)."""
+    from sglang_kvguard import peer_liveness
+
+    w = peer_liveness.PeerWatch(interval=3600.0, autostart=False)
+    monkeypatch.setattr(peer_liveness, "WATCH", w)
+    return w
+
+
+def _closed_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: a connect is refused
+    return port
+
+
+def test_a_failed_send_is_released_only_once_its_peer_is_gone(sgl, answers, peer_watch):
+    """A failed batch to a peer that is gone (its session port refuses connections, twice
+    in a row) can no longer read the source pages: they are released and the room may be
+    confirmed drained. A failed batch to a live peer stays held."""
+    import concurrent.futures
+    import socket
+
+    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.guards.prefill_source_hold import _TrackingExecutor, _transfer_data
+
+    port, recv = answers
+    mgr = _manager()
+    q = _queue()
+    live = socket.socket()
+    live.bind(("127.0.0.1", 0))
+    live.listen(8)
+    alive_peer = f"127.0.0.1:{live.getsockname()[1]}"
+    dead_peer = f"127.0.0.1:{_closed_port()}"
+    wrapped = _transfer_data(lambda self, session, blocks: -1)  # every batch times out
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            ex = _TrackingExecutor(pool, q)
+            q.put(transfer_chunk(ROOM, [7, 8]))
+            q.put(transfer_chunk(ROOM + 1, [9]))
+            q.get()
+            assert ex.submit(wrapped, mgr, dead_peer, [(1, 2, 3)]).result() == -1
+            q.get()
+            assert ex.submit(wrapped, mgr, alive_peer, [(4, 5, 6)]).result() == -1
+            q.finish_current()
+        assert peer_watch.watched() == 2
+        assert peer_watch.poll_once() == 0, "one refused connect is not enough to call a peer gone"
+        assert q._hold.pinned(7) and q._hold.pinned(8) and q._hold.pinned(9)
+        transfer_drain.drain_requested(mgr, ROOM, "127.0.0.1", port)
+        assert recv(300) is None
+        assert peer_watch.poll_once() == 1
+        assert not q._hold.pinned(7) and not q._hold.pinned(8), "the gone peer's failed send still holds its pages"
+        assert q._hold.pinned(9), "released the pages of a failed send whose peer is alive"
+        assert not transfer_drain.is_unsettled(ROOM) and transfer_drain.is_unsettled(ROOM + 1)
+        transfer_drain.drain_requested(mgr, ROOM, "127.0.0.1", port)  # decode asks again: now it is answered
+        assert recv(3000) == (ROOM, "127.0.0.1:1")
+        for _ in range(3):
+            peer_watch.poll_once()
+        assert q._hold.pinned(9) and peer_watch.watched() == 1, "a peer that accepts connections was called gone"
+        live.close()
+        assert peer_watch.poll_once() == 0 and peer_watch.poll_once() == 1
+        assert not q._hold.pinned(9) and not transfer_drain.is_unsettled(ROOM + 1)
+    finally:
+        live.close()
 
 
 def test_upstream_drain_ack_is_withheld_for_an_unsettled_room(sgl, answers):

@@ -47,6 +47,25 @@ def _reserve(d, n, room0):
     return reqs
 
 
+class _Overlay:
+    """The scheduler's server args with some fields switched (0.5.2x's ServerArgs is frozen)."""
+
+    def __init__(self, inner, **fields):
+        self.__dict__.update(fields, _inner=inner)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _reserve_ids(d, room, ids):
+    req = d.new_req(len(ids), bootstrap_room=room, input_ids=ids)
+    d.prealloc_queue.add(req)
+    pre, failed = d.prealloc_queue.pop_preallocated()
+    assert not failed and [x.req for x in pre] == [req]
+    d.metadata_allocator.free(pre[0].metadata_buffer_index)  # the transfer landed
+    return [req]
+
+
 def _pages(sgl, d, req):
     row = d.req_to_token_pool.req_to_token[sgl.req_pool_idx(req)][:PROMPT]
     return [int(t) // d.page_size for t in row[::d.page_size].tolist()]
@@ -157,3 +176,49 @@ def test_free_sink_bumps_every_freed_page_once_per_free(sgl, make_side, kvguard)
         assert torch.equal(table.gens[grouped], g1), "not freed yet: the group is still open"
         d.allocator.free_group_end()
         assert bool((table.gens[grouped] != g1).all())
+
+
+def test_a_failed_request_gives_back_its_lock_on_a_shared_radix_prefix(sgl, make_side, kvguard):
+    """Decode's radix cache on (--disaggregation-decode-enable-radix-cache): a request
+    reserved over a cached prefix locks the prefix's tree node (upstream's
+    ``_match_prefix_and_lock``). When the request fails closed, its own pages are freed,
+    the shared prefix pages stay in the cache, and the lock goes back: the prefix is
+    evictable again and the tree protects nothing."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    from sglang_kvguard.guards import page_generation as pg
+
+    if not hasattr(DecodePreallocQueue, "_match_prefix_and_lock"):
+        pytest.skip("no decode radix cache in this release")
+    import inspect
+
+    with make_side("decode", decode_radix_cache=True,
+                   config={"disaggregation_decode_enable_radix_cache": True}) as d:
+        # the prealloc queue reads the switch from the scheduler's server args (up to
+        # 0.5.2x; later from the published configuration, set above)
+        d.scheduler.server_args = _Overlay(d.scheduler.server_args, disaggregation_decode_enable_radix_cache=True)
+        table = pg.bind(d.allocator, d.req_to_token_pool)
+        d.scheduler.send_abort_output = lambda obj, req: None
+        ids = list(range(100, 100 + 64))  # 4 full pages
+        (a0,) = _reserve_ids(d, 84000, ids)
+        a0.output_ids = a0.origin_input_ids[:0]
+        a0.skip_radix_cache_insert = False
+        kw = {"checkpoint": True} if "checkpoint" in inspect.signature(release_kv_cache).parameters else {}
+        release_kv_cache(a0, d.tree_cache, **kw)  # the prefix goes into the tree
+        cached = d.tree_cache.evictable_size()
+        assert cached >= 48, cached
+        before = sgl.snapshot(d)
+
+        (a,) = _reserve_ids(d, 84001, ids + list(range(500, 532)))
+        assert d.tree_cache.protected_size() > 0, "upstream did not lock the shared prefix"
+        row = d.req_to_token_pool.req_to_token[sgl.req_pool_idx(a)][:96]
+        pages = [int(t) // d.page_size for t in row[::d.page_size].tolist()]
+        stolen = pages[-1]
+        _free_behind_its_back(d, stolen)
+        assert table.mismatched([a]) == [0]
+        pg.fail_mismatched(d.scheduler, _Batch([a]), [0], table)
+        after = sgl.snapshot(d)
+        assert after["protected"] == 0, "the failed request still locks the shared prefix"
+        assert after["evictable"] == before["evictable"], "the shared prefix left the cache"
+        assert after == before, (before, after)

@@ -78,7 +78,7 @@ def _abort_on_decode_while_prefill_is_frozen(d, rid: str):
 def test_frozen_prefill_quarantines_decode_pages_until_it_drains(pd_factory, release):
     d = pd_factory("guarded-quarantine", launcher="sglang_kvguard.launch_server",
                    prefill_extra_args=ARGS, decode_extra_args=ARGS + ["--kvguard-quarantine-after", "3"],
-                   env=TIMEOUT_ENV, router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
+                   env=dict(TIMEOUT_ENV, KVGUARD_PEER_PROBE_INTERVAL="1"), router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
     rid = "kvguard-frozen-1"
     pid, t, before = _abort_on_decode_while_prefill_is_frozen(d, rid)
     try:
@@ -106,6 +106,19 @@ def test_frozen_prefill_quarantines_decode_pages_until_it_drains(pd_factory, rel
     if release.version_tuple < (0, 5, 21):  # kvguard's own drain request and answer
         assert "left the transfer queue unfinished" in log
         assert "has drained on this prefill rank" in d.log_text("prefill")
+    assert "count as drained" not in log and "counts as drained" not in log, \
+        "a frozen prefill (probed every second) was called gone"
+    # A prefill that is gone (its rank socket refuses connections) writes nothing more:
+    # it counts as having answered, and decode releases the pages.
+    _pid, t2, before2 = _abort_on_decode_while_prefill_is_frozen(d, "kvguard-frozen-3")
+    os.killpg(d.procs["prefill"].pgid, signal.SIGKILL)
+    after = settled(d, "decode", before2, timeout=60)
+    assert (after["usable_tokens"], after["metadata_free_slots"]) == before2, (before2, after)
+    log = d.log_text("decode")
+    assert re.search(r"prefill rank\S* \S+ of room \d+ (is|are) gone; (it counts|they count) as drained", log), \
+        log[-3000:]
+    assert "releasing anyway" not in log
+    t2.join(60)
 
 
 def test_without_the_guard_upstream_releases_while_prefill_is_frozen(pd_factory, release):

@@ -154,7 +154,8 @@ def _scenario(d, gate) -> tuple:
 
 def _start(pd_factory, model, name, tmp_path, decode_args):
     gate = tmp_path / f"{name}.gate"
-    env = dict(RELEASE_TIMEOUT_ENV, KVGUARD_FAULT_INJECTION="1", KVGUARD_FAULT_LATE_WRITE_GATE=str(gate))
+    env = dict(RELEASE_TIMEOUT_ENV, KVGUARD_FAULT_INJECTION="1", KVGUARD_FAULT_LATE_WRITE_GATE=str(gate),
+               KVGUARD_PEER_PROBE_INTERVAL="1")
     d = pd_factory(name, launcher="sglang_kvguard.launch_server", prefill_max_total_tokens=DECODE_POOL,
                    model=model, load_format="auto",
                    prefill_extra_args=ARGS, decode_extra_args=ARGS + decode_args, env=env,
@@ -180,12 +181,20 @@ def test_guard_keeps_late_written_pages_out_of_circulation(pd_factory, weighted_
     assert v["text"] == reference["text"], "V's output changed: A's late write reached V's pages"
     assert v["logprobs"] == reference["logprobs"], "V's logprobs changed: A's late write reached V's pages"
     plog, dlog = d.log_text("prefill"), d.log_text("decode")
-    assert re.search(rf"a Mooncake send of room {room} failed \(ret=-1\) and may still be running", plog), plog[-3000:]
+    assert re.search(rf"a Mooncake send of room {room} to \S+ failed \(ret=-1\) and may still be running", plog), \
+        plog[-3000:]
     assert "Traceback" not in dlog and "Traceback" not in plog
     # quarantine is reported --kvguard-quarantine-after (3 s) after A failed: V may finish sooner
     _wait_log(d, "decode", rf"room {room} .*quarantined")
     if release.version_tuple < (0, 5, 21):
         _wait_log(d, "prefill", rf"room {room} is not confirmed drained")
+    # The pages of a failed send are released once its peer is gone: kill decode, and
+    # prefill's probe of decode's Mooncake session port is refused.
+    assert not re.search(rf"failed send of room {room} can no longer run", d.log_text("prefill")), \
+        "released A's source pages while decode (the peer of the failed send) was alive"
+    os.killpg(d.procs["decode"].pgid, signal.SIGKILL)
+    _wait_log(d, "prefill", rf"failed send of room {room} can no longer run \(\S+ gone\): its \d+ source page",
+              timeout=30)
 
 
 def _wait_log(d, role: str, pattern: str, timeout: float = 20.0) -> None:
