@@ -44,6 +44,13 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def non_negative_seconds(value: str) -> float:
+    v = float(value)
+    if v < 0:
+        raise ValueError("must be >= 0")
+    return v
+
+
 FLAGS: List[Flag] = [
     Flag(
         "on_unknown",

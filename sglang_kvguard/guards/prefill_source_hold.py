@@ -33,7 +33,7 @@ import time
 from typing import Callable, Dict, List
 
 from ..activation import SCHEDULER_INIT
-from ..config import Flag, register_flag
+from ..config import Flag, non_negative_seconds, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from .. import peer_liveness, transfer_drain
@@ -61,23 +61,14 @@ register_flag(
     )
 )
 
-
-
-def _non_negative(value: str) -> float:
-    v = float(value)
-    if v < 0:
-        raise ValueError("must be >= 0")
-    return v
-
-
 register_flag(
     Flag(
         "peer_probe_interval",
         "5",
-        "Seconds between checks of whether the peer of a failed Mooncake send is gone (its session "
-        "port refuses connections twice in a row). A failed send's pages are held until then; 0 holds "
-        "them until restart.",
-        validate=_non_negative,
+        "Seconds between checks of whether the peer of a failed Mooncake send (prefill) or of an "
+        "unanswered drain request (decode) is gone: its port refuses connections twice in a row. "
+        "The pages such a transfer may still touch are held until then; 0 holds them until restart.",
+        validate=non_negative_seconds,
     )
 )
 
