@@ -151,3 +151,13 @@ class PeerWatch:
 
 
 WATCH = PeerWatch()
+
+
+def configure(interval: float) -> None:
+    """``--kvguard-peer-probe-interval`` (0: never probe, failed sends stay held until restart)."""
+    WATCH.interval = float(interval)
+
+
+def watch() -> PeerWatch:
+    """This process's watch (looked up at each call: tests replace it)."""
+    return WATCH

@@ -144,7 +144,7 @@ _gone: Dict[int, set] = {}  # id(decode_req) -> its prefill ranks confirmed gone
 def _watch_ranks(rec: list, decode_req) -> None:
     """A prefill rank that is gone writes nothing more: once every rank of the hold is
     gone, the hold counts as drained (``_drop_gone_ranks`` before upstream's resolve)."""
-    from .prefill_source_hold import _watch
+    from ..peer_liveness import watch as _watch
 
     key = id(decode_req)
     for rank in prefill_ranks(decode_req):
@@ -236,7 +236,7 @@ def sweep(queue, quarantine_after: float, now: Optional[float] = None) -> None:
 
 
 def _forget(key: int, rec: list) -> None:
-    from .prefill_source_hold import _watch
+    from ..peer_liveness import watch as _watch
 
     for entry in rec[3] if len(rec) > 3 else ():
         _watch().cancel(entry)
@@ -293,7 +293,10 @@ class DecodeDeferredReleaseGuard(Guard):
         return Decision(OFF, f"{ENV} is off and --kvguard-deferred-release=allow leaves it off")
 
     def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
+        from .. import peer_liveness
+
         q = float(ctx.config.get("quarantine_after"))
+        peer_liveness.configure(float(ctx.config.get("peer_probe_interval")))
         return {DEFER.key: _defer_release, RESOLVE.key: _resolve(q)}
 
     def on_installed(self, ctx) -> None:

@@ -286,7 +286,7 @@ def answered(room: int, rank: str) -> None:
         _rooms.pop(room, None)
     if hold is not None:
         _unpin(rec, hold)
-    from .prefill_source_hold import _watch
+    from ..peer_liveness import watch as _watch
 
     for entry in rec.watches:
         _watch().cancel(entry)
@@ -317,7 +317,7 @@ def _request_drain(rec: _Room, local_ip: Optional[str]) -> None:
 def _watch_ranks(rec: _Room) -> None:
     """A prefill rank that is gone (its bootstrap socket refuses connections) writes
     nothing any more: it counts as having answered the room's drain request."""
-    from .prefill_source_hold import _watch
+    from ..peer_liveness import watch as _watch
 
     w = _watch()
     for ip, port in rec.ranks:

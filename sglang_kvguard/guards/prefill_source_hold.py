@@ -267,11 +267,11 @@ class _PinningQueue:
             "kvguard prefill_source_hold: a Mooncake send of room %s to %s failed (%s) and may still be running "
             "(a failed batch is not cancelled): its %d source page(s) stay held, quarantined, never freed blind, "
             "and decode is not told that the room drained; %s", cur.room, ", ".join(peers) or "?", cur.unsettled,
-            len(cur.pages), "they are released if that peer goes away" if peers and _settings["probe_interval"] > 0
+            len(cur.pages), "they are released if that peer goes away" if peers and peer_liveness.watch().interval > 0
             else "they stay held until this process restarts",
         )
         transfer_drain.finished(cur.room, unsettled=cur.unsettled)
-        _watch().watch(peers, lambda: self._peer_gone(cur, peers), what=f"room {cur.room}")
+        peer_liveness.watch().watch(peers, lambda: self._peer_gone(cur, peers), what=f"room {cur.room}")
 
     def _peer_gone(self, cur: _Chunk, peers: List[str]) -> None:
         """Every peer the chunk's failed batches went to is gone: nothing reads its pages any more."""
@@ -338,15 +338,6 @@ def _transfer_data(original: Callable) -> Callable:
         return ret
 
     return _transfer_data
-
-
-_settings = {"probe_interval": 5.0}
-
-
-def _watch() -> "peer_liveness.PeerWatch":
-    w = peer_liveness.WATCH
-    w.interval = _settings["probe_interval"]
-    return w
 
 
 def _ack_room(args, kwargs):
@@ -653,7 +644,7 @@ class PrefillSourceHoldGuard(Guard):
 
     def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
         q = float(ctx.config.get("quarantine_after"))
-        _settings["probe_interval"] = float(ctx.config.get("peer_probe_interval"))
+        peer_liveness.configure(float(ctx.config.get("peer_probe_interval")))
         return {
             SCHEDULER_INIT.key: _scheduler_init(q),
             TRANSFER_WORKER.key: _transfer_worker,
