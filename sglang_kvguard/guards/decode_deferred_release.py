@@ -48,6 +48,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
 
+from .. import peer_liveness
 from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, OFF, REFUSED, Decision, Guard
 from ..engine.targets import target
@@ -122,19 +123,12 @@ def _page_count(queue, decode_req) -> int:
     return -(-n // int(ps))
 
 
-def _field(info, name):
-    return info.get(name) if isinstance(info, dict) else getattr(info, name, None)
-
-
 def prefill_ranks(decode_req) -> list:
     """``host:port`` of the prefill ranks that write this request (dummy ranks excluded)."""
+    from .decode_destination_hold import rank_addresses
+
     infos = getattr(getattr(decode_req, "kv_receiver", None), "bootstrap_infos", None) or ()
-    out = []
-    for info in infos:
-        ip, port = _field(info, "rank_ip"), _field(info, "rank_port")
-        if ip is not None and port is not None and not _field(info, "is_dummy"):
-            out.append(f"{ip}:{int(port)}")
-    return out
+    return [f"{ip}:{port}" for ip, port in rank_addresses(infos)]
 
 
 _gone_lock = threading.Lock()
@@ -144,15 +138,14 @@ _gone: Dict[int, set] = {}  # id(decode_req) -> its prefill ranks confirmed gone
 def _watch_ranks(rec: list, decode_req) -> None:
     """A prefill rank that is gone writes nothing more: once every rank of the hold is
     gone, the hold counts as drained (``_drop_gone_ranks`` before upstream's resolve)."""
-    from ..peer_liveness import watch as _watch
-
     key = id(decode_req)
     for rank in prefill_ranks(decode_req):
         def gone(rank=rank):
             with _gone_lock:
                 _gone.setdefault(key, set()).add(rank)
 
-        rec[3].append(_watch().watch([rank], gone, what=f"room {getattr(decode_req.req, 'bootstrap_room', '?')}"))
+        room = getattr(decode_req.req, "bootstrap_room", "?")
+        rec[3].append(peer_liveness.watch().watch([rank], gone, what=f"room {room}"))
 
 
 def _drop_gone_ranks(queue) -> None:
@@ -168,7 +161,14 @@ def _drop_gone_ranks(queue) -> None:
         decode_req = entry[0]
         with _gone_lock:
             gone = set(_gone.get(id(decode_req), ()))
-        ranks = prefill_ranks(decode_req)
+        if not gone:
+            continue
+        try:
+            ranks = prefill_ranks(decode_req)
+        except Exception as exc:  # noqa: BLE001 - this hold stays; the others are still checked
+            log.warning("kvguard decode_deferred_release: reading the prefill ranks of room %s failed: %s",
+                        getattr(decode_req.req, "bootstrap_room", "?"), exc)
+            continue
         if not gone or not ranks or not set(ranks) <= gone or entry[-1] == 0:
             continue
         entries[i] = tuple(entry[:-1]) + (0,)
@@ -236,10 +236,8 @@ def sweep(queue, quarantine_after: float, now: Optional[float] = None) -> None:
 
 
 def _forget(key: int, rec: list) -> None:
-    from ..peer_liveness import watch as _watch
-
     for entry in rec[3] if len(rec) > 3 else ():
-        _watch().cancel(entry)
+        peer_liveness.watch().cancel(entry)
     with _gone_lock:
         _gone.pop(key, None)
 
@@ -293,8 +291,6 @@ class DecodeDeferredReleaseGuard(Guard):
         return Decision(OFF, f"{ENV} is off and --kvguard-deferred-release=allow leaves it off")
 
     def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
-        from .. import peer_liveness
-
         q = float(ctx.config.get("quarantine_after"))
         peer_liveness.configure(float(ctx.config.get("peer_probe_interval")))
         return {DEFER.key: _defer_release, RESOLVE.key: _resolve(q)}

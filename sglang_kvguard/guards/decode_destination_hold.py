@@ -38,7 +38,7 @@ import time
 import urllib.request
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .. import transfer_drain
+from .. import peer_liveness, transfer_drain
 from ..activation import SCHEDULER_INIT
 from ..engine.guard import ACTIVE, OFF, Decision, Guard
 from ..engine.targets import target
@@ -109,6 +109,20 @@ _warned = {"page_size": False}
 # ----------------------------------------------------------------------------- decode: pins
 
 
+def rank_addresses(infos) -> List[Tuple[str, int]]:
+    """(ip, port) of the prefill ranks in a receiver's ``bootstrap_infos``, dummy ranks
+    excluded: dicts up to 0.5.20, objects from 0.5.21. A rank without an address raises
+    (the caller then holds nothing on a partial list of writers)."""
+    out = []
+    for info in infos:
+        if isinstance(info, dict):
+            if not info.get("is_dummy"):
+                out.append((str(info["rank_ip"]), int(info["rank_port"])))
+        elif not getattr(info, "is_dummy", False):
+            out.append((str(info.rank_ip), int(info.rank_port)))
+    return out
+
+
 def _hold() -> Optional[PageHold]:
     h = HOLDS.get(ROLE)
     return h if h is not None and h._allocator_ref is not None else None
@@ -130,7 +144,7 @@ def _send_metadata(original: Callable) -> Callable:
                               "%d; destination pages are not held", mgr_ps, hold.page_size)
                 return original(self, kv_indices, aux_index, *args, **kwargs)
             pages = page_list(kv_indices)
-            ranks = [(str(i["rank_ip"]), int(i["rank_port"])) for i in infos if not i.get("is_dummy")]
+            ranks = rank_addresses(infos)
             rec = _Room(int(room), pages, None if aux_index is None else int(aux_index), ranks,
                         str(getattr(self, "bootstrap_addr", "")))
             rec.local_ip = getattr(getattr(self, "kv_mgr", None), "local_ip", None)
@@ -286,10 +300,8 @@ def answered(room: int, rank: str) -> None:
         _rooms.pop(room, None)
     if hold is not None:
         _unpin(rec, hold)
-    from ..peer_liveness import watch as _watch
-
     for entry in rec.watches:
-        _watch().cancel(entry)
+        peer_liveness.watch().cancel(entry)
     waited = time.monotonic() - rec.since
     if rec.quarantined:
         from .. import metrics
@@ -317,9 +329,7 @@ def _request_drain(rec: _Room, local_ip: Optional[str]) -> None:
 def _watch_ranks(rec: _Room) -> None:
     """A prefill rank that is gone (its bootstrap socket refuses connections) writes
     nothing any more: it counts as having answered the room's drain request."""
-    from ..peer_liveness import watch as _watch
-
-    w = _watch()
+    w = peer_liveness.watch()
     for ip, port in rec.ranks:
         rank = f"{ip}:{port}"
         rec.watches.append(w.watch([rank], lambda rank=rank: _rank_gone(rec.room, rank), what=f"room {rec.room}"))
