@@ -206,3 +206,88 @@ def bind_at_scheduler_init(role: str, quarantine_after: float, what: str):
         return __init__
 
     return factory
+
+
+class RowHold:
+    """Metadata-buffer rows (``ReqToMetadataIdxAllocator``) that a transfer may still read
+    (prefill's aux row) or write (decode's): a free of a pinned row is held until its
+    last pin goes, then released by ``flush`` on the scheduler thread.
+
+    One per process: prefill pins its rows, decode its own; both wrap the same free.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pins: Dict[int, int] = {}
+        self._held: Dict[int, object] = {}  # row -> the allocator whose free was held
+        self._releasable: List[tuple] = []
+        self.free = None  # the allocator's original free (set when it is wrapped)
+
+    def pin(self, row: Optional[int]) -> None:
+        if row is None or int(row) < 0:
+            return
+        with self._lock:
+            self._pins[int(row)] = self._pins.get(int(row), 0) + 1
+
+    def unpin(self, row: Optional[int]) -> None:
+        if row is None or int(row) < 0:
+            return
+        with self._lock:
+            n = self._pins.get(int(row), 0) - 1
+            if n > 0:
+                self._pins[int(row)] = n
+                return
+            self._pins.pop(int(row), None)
+            owner = self._held.pop(int(row), None)
+            if owner is not None:
+                self._releasable.append((owner, int(row)))
+
+    def divert(self, owner, row) -> bool:
+        """The scheduler frees ``row``: True if it is pinned (held instead)."""
+        if not self._pins:
+            return False
+        try:
+            key = int(row)
+        except (TypeError, ValueError):
+            return False
+        with self._lock:
+            if key in self._pins:
+                self._held[key] = owner
+                return True
+        return False
+
+    def flush(self) -> int:
+        """Give released rows to the allocator's original free (scheduler thread)."""
+        if not self._releasable:
+            return 0
+        with self._lock:
+            out, self._releasable = self._releasable, []
+        for owner, row in out:
+            self.free(owner, row)
+        return len(out)
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def reset(self) -> None:
+        """Forget every pin and held row (a fresh scheduler process; tests)."""
+        with self._lock:
+            self._pins.clear()
+            self._held.clear()
+            self._releasable = []
+
+    def wrap_free(self, original):
+        """Wrapper factory for ``ReqToMetadataIdxAllocator.free``."""
+        self.free = original
+        hold = self
+
+        def free(self, free_index, *args, **kwargs):
+            if hold.divert(self, free_index):
+                return None
+            return original(self, free_index, *args, **kwargs)
+
+        return free
+
+
+ROWS = RowHold()

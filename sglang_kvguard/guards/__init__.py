@@ -7,6 +7,7 @@ from .decode_destination_hold import DecodeDestinationHoldGuard
 from .decode_rejection_notice import DecodeRejectionNoticeGuard
 from .destination_canary import DestinationCanaryGuard
 from .empty_prompt import EmptyPromptGuard
+from .hybrid_pool_check import HybridPoolCheckGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
 from .page_generation import PageGenerationGuard
 from .pool_capacity import PoolCapacityGuard
@@ -34,5 +35,6 @@ GUARDS = [
     PrefillAdmissionFitGuard,
     DecodeAdmissionFitGuard,
     PoolCapacityGuard,
+    HybridPoolCheckGuard,
     EmptyPromptGuard,
 ]

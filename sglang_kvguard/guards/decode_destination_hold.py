@@ -42,9 +42,9 @@ from .. import peer_liveness, transfer_drain
 from ..activation import SCHEDULER_INIT
 from ..engine.guard import ACTIVE, OFF, Decision, Guard
 from ..engine.targets import target
-from ..page_hold import HOLDS, PageHold, bind_at_scheduler_init
+from ..page_hold import HOLDS, ROWS, PageHold, bind_at_scheduler_init
 from . import rejection_notice
-from .prefill_source_hold import page_list, release_drained
+from .prefill_source_hold import METADATA_FREE, page_list, release_drained
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -57,11 +57,6 @@ POP_TRANSFERRED = target(
     "disagg.decode.DecodeTransferQueue.pop_transferred",
     "sglang.srt.disaggregation.decode:DecodeTransferQueue.pop_transferred",
     why="decode: where requests leave the transfer queue (complete, failed or aborted)",
-)
-METADATA_FREE = target(
-    "disagg.utils.ReqToMetadataIdxAllocator.free",
-    "sglang.srt.disaggregation.utils:ReqToMetadataIdxAllocator.free",
-    why="metadata rows: a row a transfer may still write is held",
 )
 START_PREFILL_THREAD = target(
     "mooncake.MooncakeKVManager.start_prefill_thread",
@@ -101,7 +96,6 @@ class _Room:
 
 _lock = threading.Lock()
 _rooms: Dict[int, _Room] = {}
-_meta = {"pinned": set(), "held": {}, "releasable": [], "free": None}
 _last_sweep = {"t": 0.0}
 _warned = {"page_size": False}
 
@@ -152,8 +146,7 @@ def _send_metadata(original: Callable) -> Callable:
             with _lock:
                 old = _rooms.pop(int(room), None)
                 _rooms[int(room)] = rec
-                if rec.meta is not None:
-                    _meta["pinned"].add(rec.meta)
+            ROWS.pin(rec.meta)
             if old is not None:  # the room was published again (re-bootstrap): the old pins go
                 _unpin(old, hold)
         except Exception as exc:  # noqa: BLE001 - never break the scheduler; the room is just not held
@@ -165,41 +158,11 @@ def _send_metadata(original: Callable) -> Callable:
 
 def _unpin(rec: _Room, hold: PageHold) -> None:
     hold.unpin(rec.pages)
-    if rec.meta is not None:
-        with _lock:
-            _meta["pinned"].discard(rec.meta)
-            owner = _meta["held"].pop(rec.meta, None)
-            if owner is not None:
-                _meta["releasable"].append((owner, rec.meta))
-
-
-def _metadata_free(original: Callable) -> Callable:
-    _meta["free"] = original
-
-    def free(self, free_index, *args, **kwargs):
-        if _meta["pinned"]:
-            with _lock:
-                if free_index in _meta["pinned"]:
-                    _meta["held"][free_index] = self
-                    return None
-        return original(self, free_index, *args, **kwargs)
-
-    return free
-
-
-def _flush_metadata() -> int:
-    if not _meta["releasable"]:
-        return 0
-    with _lock:
-        out, _meta["releasable"] = _meta["releasable"], []
-    for owner, idx in out:
-        _meta["free"](owner, idx)
-    return len(out)
+    ROWS.unpin(rec.meta)
 
 
 def held_metadata_rows() -> int:
-    with _lock:
-        return len(_meta["held"])
+    return ROWS.held()
 
 
 # ----------------------------------------------------------------------------- decode: drain requests and answers
@@ -392,7 +355,7 @@ def _after_pop(queue, hold: PageHold, before, out) -> None:
     alloc = hold._allocator_ref() if hold._allocator_ref is not None else None
     if alloc is not None:
         release_drained(alloc)
-    _flush_metadata()
+    ROWS.flush()
     now = time.monotonic()
     if now - _last_sweep["t"] >= _SWEEP_EVERY:
         _last_sweep["t"] = now
@@ -529,7 +492,7 @@ class DecodeDestinationHoldGuard(Guard):
             SCHEDULER_INIT.key: _scheduler_init(q),
             SEND_METADATA.key: _send_metadata,
             POP_TRANSFERRED.key: _pop_transferred,
-            METADATA_FREE.key: _metadata_free,
+            METADATA_FREE.key: ROWS.wrap_free,
             START_PREFILL_THREAD.key: _start_prefill_thread,
             ROUTE_GET.key: _route_get,
         }

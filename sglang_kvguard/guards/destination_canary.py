@@ -16,8 +16,8 @@ transfer that reports success without having written everything.
 Stamping happens in the decode receiver's ``send_metadata``, i.e. after the pages are
 allocated and before prefill learns where to write. The KV pool is the one of the
 ``DecodePreallocQueue`` whose ``pop_preallocated`` is running. Pools without
-per-layer page buffers (hybrid SWA / Mamba / NSA pools) are not stamped (the guard
-reports it once in the log).
+per-layer page buffers (hybrid SWA / Mamba pools) are not stamped; a decode node on
+one refuses to start while this guard is active (``hybrid_pool_check``).
 """
 
 from __future__ import annotations

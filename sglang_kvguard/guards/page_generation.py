@@ -40,8 +40,8 @@ it. A request whose check fails there is barred from the tree
 (``skip_radix_cache_insert``: pages another request now owns never become a shared
 prefix) and is failed closed by the next batch check.
 
-Hybrid pools (SWA / Mamba / hisparse allocators) are not tagged; the guard says so
-once in the log.
+Hybrid pools (SWA / Mamba / hisparse allocators) are not tagged; a decode node on
+one refuses to start while this guard is active (``hybrid_pool_check``).
 """
 
 from __future__ import annotations

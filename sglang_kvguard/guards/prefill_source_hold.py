@@ -30,14 +30,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from ..activation import SCHEDULER_INIT
 from ..config import Flag, non_negative_seconds, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from .. import peer_liveness, transfer_drain
-from ..page_hold import HOLDS, PageHold, bind_at_scheduler_init, bind_hold, hold_for_allocator
+from ..page_hold import HOLDS, ROWS, PageHold, bind_at_scheduler_init, bind_hold, hold_for_allocator
 from . import _faults
 from .mooncake_batch_bound import TRANSFER_DATA  # one declaration of the batch sink
 
@@ -124,6 +124,11 @@ ABORT_ACK = target(
 )
 ALLOC_WAIT = 5.0  # seconds a failed allocation waits for held pages' transfers to drain
 
+METADATA_FREE = target(
+    "disagg.utils.ReqToMetadataIdxAllocator.free",
+    "sglang.srt.disaggregation.utils:ReqToMetadataIdxAllocator.free",
+    why="metadata rows: a row a transfer may still read (prefill's aux row) or write (decode's) is held",
+)
 POP_BOOTSTRAPPED = target(
     "disagg.prefill.PrefillBootstrapQueue.pop_bootstrapped",
     "sglang.srt.disaggregation.prefill:PrefillBootstrapQueue.pop_bootstrapped",
@@ -160,13 +165,22 @@ def _chunk_pages(chunk) -> List[int]:
     return [] if idx is None else page_list(idx)
 
 
+def _chunk_row(chunk) -> Optional[int]:
+    """The metadata row the worker sends with a room's last chunk (its aux data), if any."""
+    if not getattr(chunk, "is_last_chunk", False):
+        return None
+    row = getattr(chunk, "prefill_aux_index", None)
+    return None if row is None or int(row) < 0 else int(row)
+
+
 class _Chunk:
     """The chunk a transfer worker (and the executor threads it hands work to) is sending."""
 
-    __slots__ = ("pages", "futures", "room", "unsettled", "failed_peers")
+    __slots__ = ("pages", "row", "futures", "room", "unsettled", "failed_peers")
 
-    def __init__(self, pages: List[int], room) -> None:
+    def __init__(self, pages: List[int], room, row: Optional[int] = None) -> None:
         self.pages = pages
+        self.row = row  # the metadata row it sends (last chunk only)
         self.futures: list = []
         self.room = room
         self.unsettled = ""  # why a send of it may still be running, once one failed
@@ -199,13 +213,16 @@ class _PinningQueue:
     def put(self, item, *args, **kwargs):
         if item is not None and self.consumer_wrapped:
             pages = _chunk_pages(item)
+            row = _chunk_row(item)
             room = getattr(item, "room", None)
             self._hold.pin(pages)
+            ROWS.pin(row)
             transfer_drain.enqueued(room)
             try:
                 return self._kvguard_inner.put(item, *args, **kwargs)
             except BaseException:
                 self._hold.unpin(pages)
+                ROWS.unpin(row)
                 transfer_drain.finished(room)
                 raise
         return self._kvguard_inner.put(item, *args, **kwargs)
@@ -213,7 +230,7 @@ class _PinningQueue:
     def get(self, *args, **kwargs):
         self.finish_current()
         item = self._kvguard_inner.get(*args, **kwargs)
-        cur = _Chunk(_chunk_pages(item), getattr(item, "room", None)) if item is not None else None
+        cur = _Chunk(_chunk_pages(item), getattr(item, "room", None), _chunk_row(item)) if item is not None else None
         self._local.current = _sending.chunk = cur
         return item
 
@@ -250,6 +267,7 @@ class _PinningQueue:
     def _settled(self, cur: _Chunk) -> None:
         if not cur.unsettled:
             self._hold.unpin(cur.pages)
+            ROWS.unpin(cur.row)
             transfer_drain.finished(cur.room)
             return
         # Mooncake's batch_transfer_sync gives up on a batch after its wall-clock
@@ -278,6 +296,7 @@ class _PinningQueue:
         from .. import metrics
 
         self._hold.unpin(cur.pages)
+        ROWS.unpin(cur.row)
         transfer_drain.settle(cur.room)
         metrics.count("unsettled_sends_settled")
         log.warning("kvguard prefill_source_hold: the failed send of room %s can no longer run (%s gone): its %d "
@@ -579,6 +598,7 @@ def _pop_bootstrapped(original: Callable) -> Callable:
                 hold = hold_for_allocator(alloc)
                 if hold is not None:
                     release_drained(alloc)
+                    ROWS.flush()
                     now = time.monotonic()
                     if now - _last_sweep["t"] >= _SWEEP_EVERY:
                         _last_sweep["t"] = now
@@ -627,12 +647,12 @@ class PrefillSourceHoldGuard(Guard):
     targets = (
         SCHEDULER_INIT, TRANSFER_WORKER, ADD_TRANSFER, PAGED_FREE, PAGED_RELEASE, TOKEN_FREE,
         POP_BOOTSTRAPPED, HELD_MIXIN, HELD_OBSERVER, PAGED_ALLOC, PAGED_ALLOC_EXTEND, TOKEN_ALLOC,
-        TRANSFER_DATA, ABORT_ACK,
+        TRANSFER_DATA, ABORT_ACK, METADATA_FREE,
     )
 
     def decide(self, ctx) -> Decision:
         patches = [SCHEDULER_INIT.key, TRANSFER_WORKER.key, ADD_TRANSFER.key, TOKEN_FREE.key, POP_BOOTSTRAPPED.key,
-                   PAGED_ALLOC.key, PAGED_ALLOC_EXTEND.key, TOKEN_ALLOC.key, TRANSFER_DATA.key]
+                   PAGED_ALLOC.key, PAGED_ALLOC_EXTEND.key, TOKEN_ALLOC.key, TRANSFER_DATA.key, METADATA_FREE.key]
         patches.append(PAGED_RELEASE.key if ctx.has(PAGED_RELEASE.key) else PAGED_FREE.key)
         patches.append(HELD_OBSERVER.key if ctx.has(HELD_OBSERVER.key) else HELD_MIXIN.key)
         if ctx.has(ABORT_ACK.key):
@@ -660,4 +680,5 @@ class PrefillSourceHoldGuard(Guard):
             PAGED_ALLOC.key: _alloc_waits_for_held_pages,
             PAGED_ALLOC_EXTEND.key: _alloc_waits_for_held_pages,
             TOKEN_ALLOC.key: _alloc_waits_for_held_pages,
+            METADATA_FREE.key: ROWS.wrap_free,
         }

@@ -763,8 +763,9 @@ def _stage_metrics():
 # --------------------------------------------------------------------------------
 # releasing
 # --------------------------------------------------------------------------------
-def transfer_chunk(room: int, page_ids):
-    """A real ``TransferKVChunk`` sending ``page_ids`` (the whole chunk, last of its room)."""
+def transfer_chunk(room: int, page_ids, aux_index: int = 0):
+    """A real ``TransferKVChunk`` sending ``page_ids`` (the whole chunk, last of its room,
+    with prefill's metadata row ``aux_index``)."""
     try:
         from sglang.srt.disaggregation.common.utils import TransferKVChunk
     except ImportError:  # 0.5.10-0.5.12
@@ -777,7 +778,7 @@ def transfer_chunk(room: int, page_ids):
         prefill_kv_indices=np.asarray(page_ids, dtype=np.int32),
         index_slice=slice(0, len(page_ids)),
         is_last_chunk=True,
-        prefill_aux_index=0,
+        prefill_aux_index=aux_index,
         state_indices=None,
     )
     return TransferKVChunk(**{k: v for k, v in kw.items() if k in fields})

@@ -75,6 +75,18 @@ def stub_call_log(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------
 # SGLang helpers
 # ---------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _fresh_metadata_row_pins():
+    """Metadata-row pins are per process (one scheduler each); here every test starts
+    with none, so a row a test left pinned never holds another test's free."""
+    yield
+    try:
+        from sglang_kvguard.page_hold import ROWS
+    except ImportError:
+        return
+    ROWS.reset()
+
+
 @pytest.fixture(scope="session")
 def sgl():
     """The helper module (``tests/component/_sglang_components.py``)."""

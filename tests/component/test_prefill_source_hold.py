@@ -127,6 +127,60 @@ def test_guarded_pages_in_flight_are_held_until_the_worker_moves_on(make_side, g
         assert p.allocator.available_size() == total
 
 
+def _all_rows(md):
+    return [md.alloc() for _ in range(md.available_size())]
+
+
+def test_unguarded_metadata_row_in_flight_is_reused_at_once(make_side):
+    """The worker sends a room's aux data (first token, logprobs, hidden states) from
+    prefill's metadata row with its last chunk; the scheduler may free the row first."""
+    with make_side("prefill", num_tokens=256) as p:
+        md = p.metadata_allocator
+        rows = _all_rows(md)
+        md.free(rows[3])  # aborted while its last chunk is queued
+        assert md.alloc() == rows[3]  # the next request writes its metadata there
+        for r in rows:
+            md.free(r)
+
+
+def test_guarded_metadata_row_of_a_last_chunk_is_held_until_the_worker_moves_on(make_side, guarded):
+    from sglang_kvguard.page_hold import ROWS
+
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p)
+        md = p.metadata_allocator
+        rows = _all_rows(md)
+        row = rows[3]
+        a = p.allocator.alloc(2 * PAGE)
+        queue.put(transfer_chunk(7010, _pages(a), aux_index=row))
+        md.free(row)  # freed while queued: held
+        assert md.available_size() == 0 and ROWS.held() == 1
+        assert queue.get().room == 7010  # the worker sends it, aux row included
+        assert md.alloc() is None  # nothing to hand out: no reuse
+        queue.finish_current()  # the worker moved on
+        assert md.available_size() == 0  # released on the scheduler thread only
+        p.bootstrap_queue.pop_bootstrapped()  # the prefill scheduler's loop (kvguard flushes there)
+        assert md.available_size() == 1 and ROWS.held() == 0
+        assert md.alloc() == row
+        # a chunk that is not its room's last carries no aux data: its row is not pinned
+        queue.put(_not_last(transfer_chunk(7011, _pages(a), aux_index=row)))
+        md.free(row)
+        assert md.available_size() == 1
+        assert queue.get().room == 7011
+        queue.finish_current()
+        g.release_drained(p.allocator)
+        for r in rows:
+            if r != row:
+                md.free(r)
+        p.allocator.free(a)
+
+
+def _not_last(chunk):
+    import dataclasses
+
+    return dataclasses.replace(chunk, is_last_chunk=False)
+
+
 def test_unpinned_frees_pass_straight_through(make_side, guarded):
     with make_side("prefill", num_tokens=256) as p:
         g, hold, queue = _setup(p)

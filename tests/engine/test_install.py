@@ -12,7 +12,8 @@ NEW = Version(RELEASE) >= Version("0.5.21")
 
 # every guard that wraps the scheduler constructor, in wrapping order
 SCHEDULER_INIT_GUARDS = tuple(sorted(
-    ("activation", "decode_admission_fit", "page_generation", "pool_capacity_check", "prefill_admission_fit",
+    ("activation", "decode_admission_fit", "hybrid_pool_check", "page_generation", "pool_capacity_check",
+     "prefill_admission_fit",
      "prefill_source_hold") + (() if NEW else ("decode_destination_hold",))  # upstream's decode hold from 0.5.21
 ))
 

@@ -43,6 +43,10 @@ def _check(d, release):
             assert brole == role, (role, brole)
             assert f"admission_drain={_expected_state(release)}" in guards
             assert "pool_capacity_check=active" in guards
+            assert "hybrid_pool_check=active" in guards
+        # each scheduler compared its real pools with the page guards and found them covered
+        assert f"kvguard hybrid pool check: the {role} node's pool (" in d.log_text(role)
+        assert "is one the page guards cover" in d.log_text(role)
         found[role] = banners
     r = d.generate(prompt_of_tokens(40, vocab=VOCAB, offset=3), max_new_tokens=4)
     assert r.status == 200, r

@@ -28,6 +28,32 @@ pytestmark = pytest.mark.server
 PROMPT = 100  # 7 pages of 16
 
 
+# First in the module: its own trio runs before the module's guarded trio exists (an idle
+# SGLang scheduler spins a core on CPU; see docs/testing.md).
+def test_without_page_generation_the_freed_page_is_decoded_and_freed_twice(pd_factory):
+    """The same fault with page_generation switched off on decode: the request decodes over
+    a page the pool counts as free (the client gets a 200), and when it ends it frees the
+    page a second time; upstream's idle leak check then stops the decode scheduler
+    (seen on 0.5.19: "pool memory leak detected! [full] total=2048, available=2064"; on
+    0.5.10 the check once fired before the answer left, and the router returned 502)."""
+    d = pd_factory("unguarded-freed", launcher="sglang_kvguard.launch_server",
+                   prefill_max_total_tokens=DECODE_POOL, env={"KVGUARD_FAULT_INJECTION": "1"},
+                   decode_extra_args=["--kvguard-disable=page_generation"],
+                   router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
+    rid = "kvguard-fault-freed-2"
+    r = d.generate(prompt_of_tokens(PROMPT, vocab=VOCAB, offset=5), max_new_tokens=8, timeout=60, rid=rid)
+    # decoded over the freed page: a 200, unless the leak check kills decode before the answer leaves
+    # (seen on 0.5.10 in CI: the router answered 502)
+    assert r.status in (200, 502), r
+    assert "freed or handed to another request" not in r.text
+    deadline = time.monotonic() + 30
+    while "memory leak detected" not in d.log_text("decode") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = d.log_text("decode")
+    assert f"freed applied to rid={rid}" in log
+    assert "memory leak detected" in log, log[-3000:]
+
+
 @pytest.fixture(scope="module")
 def faulty(pd_factory):
     return pd_factory("guarded-faults", launcher="sglang_kvguard.launch_server",
@@ -72,27 +98,3 @@ def test_page_freed_under_a_live_request_is_caught_before_decode_reads_it(faulty
     assert "Traceback" not in log
     ok = faulty.generate(prompt_of_tokens(PROMPT, vocab=VOCAB, offset=5), max_new_tokens=8, timeout=60)
     assert ok.status == 200, ok
-
-
-def test_without_page_generation_the_freed_page_is_decoded_and_freed_twice(pd_factory):
-    """The same fault with page_generation switched off on decode: the request decodes over
-    a page the pool counts as free (the client gets a 200), and when it ends it frees the
-    page a second time; upstream's idle leak check then stops the decode scheduler
-    (seen on 0.5.19: "pool memory leak detected! [full] total=2048, available=2064"; on
-    0.5.10 the check once fired before the answer left, and the router returned 502)."""
-    d = pd_factory("unguarded-freed", launcher="sglang_kvguard.launch_server",
-                   prefill_max_total_tokens=DECODE_POOL, env={"KVGUARD_FAULT_INJECTION": "1"},
-                   decode_extra_args=["--kvguard-disable=page_generation"],
-                   router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
-    rid = "kvguard-fault-freed-2"
-    r = d.generate(prompt_of_tokens(PROMPT, vocab=VOCAB, offset=5), max_new_tokens=8, timeout=60, rid=rid)
-    # decoded over the freed page: a 200, unless the leak check kills decode before the answer leaves
-    # (seen on 0.5.10 in CI: the router answered 502)
-    assert r.status in (200, 502), r
-    assert "freed or handed to another request" not in r.text
-    deadline = time.monotonic() + 30
-    while "memory leak detected" not in d.log_text("decode") and time.monotonic() < deadline:
-        time.sleep(0.5)
-    log = d.log_text("decode")
-    assert f"freed applied to rid={rid}" in log
-    assert "memory leak detected" in log, log[-3000:]

@@ -54,7 +54,7 @@ from server_tier import DECODE_POOL, VOCAB
 from sglang_kvguard.demo.deployment import http_request
 from sglang_kvguard.demo.tinymodel import prompt_of_tokens
 from sglang_kvguard.guards._faults import LATE_WRITE_TAG
-from test_admission_load import ARGS, _baseline, resources
+from test_admission_load import ARGS, _baseline, resources, settled
 from test_decode_quarantine import _decode_hold_guard, _scheduler_pid
 
 pytestmark = pytest.mark.server
@@ -177,6 +177,7 @@ def test_late_write_lands_in_reused_decode_pages_without_the_guard(pd_factory, w
 
 def test_guard_keeps_late_written_pages_out_of_circulation(pd_factory, weighted_tiny_model, release, tmp_path):
     d, gate = _start(pd_factory, weighted_tiny_model, "late-write-guarded", tmp_path, ["--kvguard-quarantine-after", "3"])
+    p_idle = _baseline(d, "prefill")  # (usable tokens, free metadata rows)
     room, v, reference = _scenario(d, gate)
     assert v["text"] == reference["text"], "V's output changed: A's late write reached V's pages"
     assert v["logprobs"] == reference["logprobs"], "V's logprobs changed: A's late write reached V's pages"
@@ -192,9 +193,14 @@ def test_guard_keeps_late_written_pages_out_of_circulation(pd_factory, weighted_
     # prefill's probe of decode's Mooncake session port is refused.
     assert not re.search(rf"failed send of room {room} can no longer run", d.log_text("prefill")), \
         "released A's source pages while decode (the peer of the failed send) was alive"
+    # prefill freed A's metadata row (the failed send reads its aux data from it): held too
+    held = settled(d, "prefill", (p_idle[0], p_idle[1] - 1), timeout=10)
+    assert held["metadata_free_slots"] == p_idle[1] - 1, (p_idle, held)
     os.killpg(d.procs["decode"].pgid, signal.SIGKILL)
     _wait_log(d, "prefill", rf"failed send of room {room} can no longer run \(\S+ gone\): its \d+ source page",
               timeout=30)
+    after = settled(d, "prefill", p_idle)
+    assert (after["usable_tokens"], after["metadata_free_slots"]) == p_idle, (p_idle, after)
 
 
 def _wait_log(d, role: str, pattern: str, timeout: float = 20.0) -> None:

@@ -64,3 +64,37 @@ def test_concurrent_pin_unpin_balances():
     for t in ts:
         t.join()
     assert h.snapshot()["pinned"] == 0
+
+
+def test_row_hold_keeps_a_pinned_row_until_its_last_pin_goes_then_frees_it_once():
+    from sglang_kvguard.page_hold import RowHold
+
+    freed = []
+
+    class Alloc:  # stands for ReqToMetadataIdxAllocator
+        def free(self, row):
+            freed.append(row)
+
+    rows = RowHold()
+    free = rows.wrap_free(Alloc.free)
+    alloc = Alloc()
+    free(alloc, 5)  # nothing pinned: straight through
+    assert freed == [5]
+    rows.pin(7)
+    rows.pin(7)  # two transfers use the row
+    rows.pin(None)  # no row: ignored
+    rows.pin(-1)
+    free(alloc, 7)
+    free(alloc, 8)
+    assert freed == [5, 8] and rows.held() == 1
+    rows.unpin(7)
+    assert rows.flush() == 0 and rows.held() == 1  # one pin left
+    rows.unpin(7)
+    assert freed == [5, 8] and rows.held() == 0  # releasable, not yet freed
+    assert rows.flush() == 1 and freed == [5, 8, 7]
+    assert rows.flush() == 0
+    rows.unpin(7)  # an extra unpin is harmless
+    rows.pin(9)
+    rows.reset()
+    free(alloc, 9)
+    assert freed[-1] == 9

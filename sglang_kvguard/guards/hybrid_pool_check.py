@@ -1,0 +1,161 @@
+"""Start-up check that the page guards cover this node's KV pool; fail closed if not.
+
+kvguard's page guards understand one kind of pool: an MHA or MLA token pool with
+per-layer page buffers, handed out by SGLang's plain token or paged allocator, with
+no per-request state beside the KV pages. Hybrid models get other pools, each with
+its own free paths and transferred state:
+
+* SWA models (``SWATokenToKVPoolAllocator`` and its unified / pure variants): two
+  page spaces, and window pages freed mid-request (``free_swa``);
+* Mamba / linear-attention models (``HybridReqToTokenPool``): a state slot per
+  request that the transfer also writes;
+* hisparse, page-interleave, DeepSeek-V4 and other allocators with their own sinks.
+
+kvguard does not tag, hold or stamp those. Serving such a model with the guards
+"active" would claim a protection the node does not have, so after each PD
+scheduler has built its pools kvguard compares them with what the active page
+guards cover:
+
+* ``refuse`` (default): the scheduler stops with a message naming the pool, each
+  guard that would not cover it and why, and the two ways to go on;
+* ``warn``: log the same and serve (those guards then protect nothing on this pool).
+
+Switching the named guards off (``--kvguard-disable``) also lets the node start; the
+banner and metrics then say ``off`` for them. Non-PD nodes are not checked (the page
+guards act on PD transfers only).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..activation import SCHEDULER_INIT, pd_role
+from ..config import Flag, register_flag
+from ..engine.guard import ACTIVE, Decision, Guard
+
+log = logging.getLogger("sglang_kvguard")
+
+POLICIES = ("refuse", "warn")
+register_flag(
+    Flag(
+        "hybrid_pool",
+        "refuse",
+        "What a prefill/decode node does when its KV pool is one kvguard's page guards do not "
+        "cover (hybrid SWA / Mamba / hisparse / interleaved pools): 'refuse' (default) stops the "
+        "node, 'warn' logs and serves without those guards' protection on this pool.",
+        choices=POLICIES,
+    )
+)
+
+PLAIN_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+
+# gap -> the page guards it defeats, per role
+ALLOCATOR, STATE, BUFFERS = "allocator", "state", "buffers"
+AFFECTED: Dict[str, Dict[str, Tuple[str, ...]]] = {
+    "prefill": {
+        ALLOCATOR: ("prefill_source_hold",),
+        STATE: ("prefill_source_hold",),
+        BUFFERS: ("transfer_checksum",),
+    },
+    "decode": {
+        ALLOCATOR: ("page_generation", "decode_destination_hold"),
+        STATE: ("decode_destination_hold",),
+        BUFFERS: ("destination_canary", "transfer_checksum"),
+    },
+}
+
+
+class HybridPoolUnguarded(RuntimeError):
+    """Raised from the scheduler's constructor (like pool_capacity_check's refusal:
+    SGLang's scheduler entry logs it and the launcher sees the node die)."""
+
+
+def pool_gaps(allocator, req_to_token_pool) -> List[Tuple[str, str]]:
+    """``(gap, why)`` for each part of this node's pools the page guards do not cover."""
+    from .destination_canary import kv_buffers
+
+    gaps = []
+    name = type(allocator).__name__
+    if name not in PLAIN_ALLOCATORS:
+        gaps.append((ALLOCATOR, f"its allocator {name} is not SGLang's plain token or paged allocator: its own "
+                                "alloc/free paths are neither tagged nor held"))
+    mros = {c.__name__ for c in type(req_to_token_pool).__mro__}
+    if "HybridReqToTokenPool" in mros or getattr(req_to_token_pool, "mamba_pool", None) is not None:
+        gaps.append((STATE, f"its request pool {type(req_to_token_pool).__name__} carries per-request state "
+                            "slots (Mamba / linear attention) that a transfer writes and kvguard does not hold"))
+    kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
+    if kv is None or kv_buffers(kv) is None:
+        gaps.append((BUFFERS, f"its KV pool {type(kv).__name__} has no per-layer page buffers kvguard can "
+                              "stamp or checksum"))
+    return gaps
+
+
+def active_guards() -> Optional[set]:
+    from ..engine.runtime import installed_report
+
+    report = installed_report()
+    if report is None:
+        return None
+    return {g.name for g in report.guards if g.state == ACTIVE}
+
+
+def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Optional[set] = None) -> str:
+    """Compare the node's pools with the active page guards; returns ok/refuse/warn."""
+    from .. import metrics
+
+    if role not in AFFECTED:
+        return "ok"
+    active = active_guards() if active is None else active
+    gaps = pool_gaps(allocator, req_to_token_pool)
+    hit: Dict[str, List[str]] = {}
+    for gap, why in gaps:
+        for guard in AFFECTED[role][gap]:
+            if active is None or guard in active:
+                hit.setdefault(guard, []).append(why)
+    if not hit:
+        metrics.count("hybrid_pool_check", outcome="ok", role=role)
+        kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
+        log.info("kvguard hybrid pool check: the %s node's pool (%s over %s, %s) is one the page guards cover",
+                 role, type(allocator).__name__, type(kv).__name__, type(req_to_token_pool).__name__)
+        return "ok"
+    names = sorted(hit)
+    lines = [f"  - {g}: " + "; ".join(hit[g]) for g in names]
+    msg = (
+        f"kvguard hybrid pool check: the {role} node's KV pool is not one kvguard's page guards cover, so "
+        f"these active guards would not protect it:\n" + "\n".join(lines) + "\n"
+        f"kvguard covers MHA/MLA pools with SGLang's plain token or paged allocator. To serve this model "
+        f"anyway, switch those guards off (--kvguard-disable {','.join(names)}; reported 'off') or accept "
+        f"the gap with --kvguard-hybrid-pool=warn."
+    )
+    outcome = "refuse" if policy == "refuse" else "warn"
+    metrics.count("hybrid_pool_check", outcome=outcome, role=role)
+    if outcome == "refuse":
+        log.error(msg)
+        raise HybridPoolUnguarded(msg)
+    log.warning(msg)
+    return outcome
+
+
+def _scheduler_init(policy: str) -> Callable[[Callable], Callable]:
+    def factory(original: Callable) -> Callable:
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            check_pools(pd_role(self), self.token_to_kv_pool_allocator, self.req_to_token_pool, policy)
+
+        return __init__
+
+    return factory
+
+
+class HybridPoolCheckGuard(Guard):
+    name = "hybrid_pool_check"
+    protects = "a node whose KV pool the page guards do not cover (hybrid SWA / Mamba / hisparse) never serves as if guarded"
+    targets = (SCHEDULER_INIT,)
+
+    def decide(self, ctx) -> Decision:
+        ctx.require(SCHEDULER_INIT.key)
+        return Decision(ACTIVE, f"policy {ctx.config.get('hybrid_pool')}", patches=(SCHEDULER_INIT.key,))
+
+    def wrappers(self, ctx) -> Dict[str, Callable[[Callable], Callable]]:
+        return {SCHEDULER_INIT.key: _scheduler_init(ctx.config.get("hybrid_pool"))}
