@@ -48,3 +48,17 @@ def test_parser_gets_every_flag_once():
         assert f.env in help_text
     ns = p.parse_args(["--kvguard-on-unknown", "warn"])
     assert ns.kvguard_on_unknown == "warn"
+
+
+def test_readme_documents_every_flag_and_every_guard():
+    """The README's flag and guard tables are what operators read: a flag or guard
+    added without a row there fails here."""
+    from pathlib import Path
+
+    from sglang_kvguard.config import _load_all_flags
+    from sglang_kvguard.guards import GUARDS
+
+    _load_all_flags()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert [f.option for f in FLAGS if f"| `{f.option}" not in readme] == []
+    assert [g.name for g in GUARDS if f"| `{g.name}` |" not in readme] == []
