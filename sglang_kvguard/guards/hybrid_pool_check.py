@@ -92,12 +92,21 @@ def pool_gaps(allocator, req_to_token_pool) -> List[Tuple[str, str]]:
 
 
 def active_guards() -> Optional[set]:
+    """Names of the installed guards that are active; None before kvguard is installed."""
     from ..engine.runtime import installed_report
+    from .decode_destination_hold import SEND_METADATA
 
     report = installed_report()
     if report is None:
         return None
-    return {g.name for g in report.guards if g.state == ACTIVE}
+    out = set()
+    for g in report.guards:
+        if g.state != ACTIVE:
+            continue
+        if g.name == "decode_destination_hold" and SEND_METADATA.key not in g.patches:
+            continue  # 0.5.21+: it only answers drain requests on prefill; decode's hold is upstream's
+        out.add(g.name)
+    return out
 
 
 def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Optional[set] = None) -> str:

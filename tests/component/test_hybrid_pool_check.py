@@ -128,3 +128,23 @@ def test_the_scheduler_constructor_wrapper_checks_after_the_pools_exist():
     with pytest.raises(hpc.HybridPoolUnguarded):
         wrapped(Built())
     assert hpc._scheduler_init("warn")(constructor)(Built()) is None
+
+
+def test_the_installed_guards_decide_what_is_named():
+    """On 0.5.21+ decode's hold is upstream's (decode_destination_hold only answers drain
+    requests on prefill there), so it is not named on decode; on older releases it is."""
+    import sglang_kvguard
+    from sglang_kvguard.engine.runtime import sglang_release
+    from packaging.version import Version
+
+    sglang_kvguard.install()
+    try:
+        active = hpc.active_guards()
+        assert {"page_generation", "prefill_source_hold", "destination_canary", "transfer_checksum"} <= active
+        own_decode_hold = Version(sglang_release()) < Version("0.5.21")
+        assert ("decode_destination_hold" in active) == own_decode_hold
+        with pytest.raises(hpc.HybridPoolUnguarded) as info:
+            hpc.check_pools("decode", _swa_pools(), make_req_to_token_pool(8, 256, decode_pre_alloc=8), "refuse")
+        assert ("decode_destination_hold" in str(info.value)) == own_decode_hold
+    finally:
+        sglang_kvguard.uninstall()
