@@ -213,7 +213,8 @@ class RowHold:
     (prefill's aux row) or write (decode's): a free of a pinned row is held until its
     last pin goes, then released by ``flush`` on the scheduler thread.
 
-    One per process: prefill pins its rows, decode its own; both wrap the same free.
+    One per process: prefill pins its rows, decode its own. prefill_source_hold wraps the
+    free (``wrap_free``); decode_destination_hold, which needs that guard, pins through it.
     """
 
     def __init__(self) -> None:

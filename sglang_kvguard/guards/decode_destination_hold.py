@@ -44,7 +44,7 @@ from ..engine.guard import ACTIVE, OFF, Decision, Guard
 from ..engine.targets import target
 from ..page_hold import HOLDS, ROWS, PageHold, bind_at_scheduler_init
 from . import rejection_notice
-from .prefill_source_hold import METADATA_FREE, page_list, release_drained
+from .prefill_source_hold import page_list, release_drained
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -468,7 +468,9 @@ class DecodeDestinationHoldGuard(Guard):
     name = "decode_destination_hold"
     protects = ("decode pages and metadata rows of a failed or aborted transfer are never reused while a prefill "
                 "rank may still write them (0.5.10-0.5.20; prefill answers drain requests on every release)")
-    targets = (SCHEDULER_INIT, SEND_METADATA, POP_TRANSFERRED, METADATA_FREE, START_PREFILL_THREAD, ROUTE_GET)
+    # The metadata-row free (ReqToMetadataIdxAllocator.free) is wrapped once, by prefill_source_hold, which
+    # this guard needs anyway: decode's rows are pinned in the same per-process page_hold.ROWS.
+    targets = (SCHEDULER_INIT, SEND_METADATA, POP_TRANSFERRED, START_PREFILL_THREAD, ROUTE_GET)
 
     def decide(self, ctx) -> Decision:
         if "prefill_source_hold" in ctx.config.disabled:
@@ -480,9 +482,9 @@ class DecodeDestinationHoldGuard(Guard):
         if v is not None and v.release[:3] >= (0, 5, 21):
             return Decision(ACTIVE, "prefill answers drain requests; decode's hold is upstream's (see "
                             "decode_deferred_release)", patches=tuple(patches))
-        for t in (SCHEDULER_INIT, SEND_METADATA, POP_TRANSFERRED, METADATA_FREE):
+        for t in (SCHEDULER_INIT, SEND_METADATA, POP_TRANSFERRED):
             ctx.require(t.key)
-        patches += [SCHEDULER_INIT.key, SEND_METADATA.key, POP_TRANSFERRED.key, METADATA_FREE.key]
+        patches += [SCHEDULER_INIT.key, SEND_METADATA.key, POP_TRANSFERRED.key]
         return Decision(ACTIVE, "decode holds failed transfers' pages until prefill confirms the drain; prefill "
                         "answers drain requests", patches=tuple(patches))
 
@@ -492,7 +494,6 @@ class DecodeDestinationHoldGuard(Guard):
             SCHEDULER_INIT.key: _scheduler_init(q),
             SEND_METADATA.key: _send_metadata,
             POP_TRANSFERRED.key: _pop_transferred,
-            METADATA_FREE.key: ROWS.wrap_free,
             START_PREFILL_THREAD.key: _start_prefill_thread,
             ROUTE_GET.key: _route_get,
         }
