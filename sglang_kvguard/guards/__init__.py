@@ -1,5 +1,6 @@
 """One module per guard. ``GUARDS`` is the order in which they appear everywhere."""
 
+from .abort_before_arrival import AbortBeforeArrivalGuard
 from .admission_drain import AdmissionDrainGuard
 from .decode_admission_fit import DecodeAdmissionFitGuard
 from .decode_deferred_release import DecodeDeferredReleaseGuard
@@ -7,7 +8,9 @@ from .decode_destination_hold import DecodeDestinationHoldGuard
 from .decode_rejection_notice import DecodeRejectionNoticeGuard
 from .destination_canary import DestinationCanaryGuard
 from .empty_prompt import EmptyPromptGuard
+from .flush_barrier import FlushBarrierGuard
 from .hybrid_pool_check import HybridPoolCheckGuard
+from .input_limit_message import InputLimitMessageGuard
 from .mooncake_batch_bound import MooncakeBatchBoundGuard
 from .page_generation import PageGenerationGuard
 from .pool_capacity import PoolCapacityGuard
@@ -37,4 +40,7 @@ GUARDS = [
     PoolCapacityGuard,
     HybridPoolCheckGuard,
     EmptyPromptGuard,
+    FlushBarrierGuard,
+    AbortBeforeArrivalGuard,
+    InputLimitMessageGuard,
 ]

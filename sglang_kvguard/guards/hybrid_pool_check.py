@@ -109,9 +109,24 @@ def active_guards() -> Optional[set]:
     return out
 
 
-def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Optional[set] = None) -> str:
-    """Compare the node's pools with the active page guards; returns ok/refuse/warn."""
-    from .. import metrics
+_NO_KV_ARGS = object()
+
+
+def transfer_kv_args(scheduler):
+    """(KVArgs, draft pool) that this PD scheduler's queue registered with its transfer backend."""
+    queue = None
+    for attr in ("disagg_prefill_bootstrap_queue", "disagg_decode_prealloc_queue"):  # one exists per PD role
+        queue = queue or getattr(scheduler, attr, None)
+    kv_args = getattr(getattr(queue, "kv_manager", None), "kv_args", None)
+    return kv_args, getattr(queue, "draft_token_to_kv_pool", None)
+
+
+def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Optional[set] = None,
+                kv_args=_NO_KV_ARGS, draft_pool=None) -> str:
+    """Compare the node's pools, and every component its transfers move (``kv_args``: what
+    upstream registered with the transfer backend), with the active page guards;
+    returns ok/refuse/warn."""
+    from .. import metrics, transfer_components
 
     if role not in AFFECTED:
         return "ok"
@@ -122,20 +137,33 @@ def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Op
         for guard in AFFECTED[role][gap]:
             if active is None or guard in active:
                 hit.setdefault(guard, []).append(why)
+    kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
+    comps = []
+    if kv_args is None:  # a PD node whose transfer registration cannot be read: nothing can be called covered
+        why = "what this node registered with its transfer backend (the KV manager's KVArgs) could not be read"
+        for guard in transfer_components.PAGE_GUARDS[role]:
+            if active is None or guard in active:
+                hit.setdefault(guard, []).append(why)
+    elif kv_args is not _NO_KV_ARGS:
+        comps = transfer_components.describe(kv_args, kv, draft_pool)
+        for guard, whys in transfer_components.gaps_for(role, comps, active).items():
+            hit.setdefault(guard, []).extend(whys)
+        transfer_components.record_metrics(role, comps, active)
+    moved = f"; transferred: {transfer_components.summary(role, comps, active)}" if comps else ""
     if not hit:
         metrics.count("hybrid_pool_check", outcome="ok", role=role)
-        kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
-        log.info("kvguard hybrid pool check: the %s node's pool (%s over %s, %s) is one the page guards cover",
-                 role, type(allocator).__name__, type(kv).__name__, type(req_to_token_pool).__name__)
+        log.info("kvguard hybrid pool check: the %s node's pool (%s over %s, %s) is one the page guards cover%s",
+                 role, type(allocator).__name__, type(kv).__name__, type(req_to_token_pool).__name__, moved)
         return "ok"
     names = sorted(hit)
     lines = [f"  - {g}: " + "; ".join(hit[g]) for g in names]
     msg = (
-        f"kvguard hybrid pool check: the {role} node's KV pool is not one kvguard's page guards cover, so "
-        f"these active guards would not protect it:\n" + "\n".join(lines) + "\n"
-        f"kvguard covers MHA/MLA pools with SGLang's plain token or paged allocator. To serve this model "
-        f"anyway, switch those guards off (--kvguard-disable {','.join(names)}; reported 'off') or accept "
-        f"the gap with --kvguard-hybrid-pool=warn."
+        f"kvguard hybrid pool check: the {role} node's KV pool ({type(kv).__name__}) or a component its PD "
+        f"transfers move is not one kvguard's page guards cover, so these active guards would not protect "
+        f"it:\n" + "\n".join(lines) + "\n"
+        f"kvguard covers the per-layer KV pages of MHA/MLA pools with SGLang's plain token or paged allocator"
+        f"{moved}. To serve this model anyway, switch those guards off (--kvguard-disable {','.join(names)}; "
+        f"reported 'off') or accept the gap with --kvguard-hybrid-pool=warn."
     )
     outcome = "refuse" if policy == "refuse" else "warn"
     metrics.count("hybrid_pool_check", outcome=outcome, role=role)
@@ -150,7 +178,12 @@ def _scheduler_init(policy: str) -> Callable[[Callable], Callable]:
     def factory(original: Callable) -> Callable:
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            check_pools(pd_role(self), self.token_to_kv_pool_allocator, self.req_to_token_pool, policy)
+            role = pd_role(self)
+            if role not in AFFECTED:
+                return
+            kv_args, draft = transfer_kv_args(self)
+            check_pools(role, self.token_to_kv_pool_allocator, self.req_to_token_pool, policy,
+                        kv_args=kv_args, draft_pool=draft)
 
         return __init__
 

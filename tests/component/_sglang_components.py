@@ -146,6 +146,38 @@ def make_kv_pool(size: int, page_size: int, shape: TinyModelShape = TinyModelSha
     )
 
 
+MLA_KV_LORA_RANK, MLA_ROPE_DIM, DSA_INDEX_HEAD_DIM = 32, 16, 128
+
+
+def make_mla_pool(size: int, page_size: int, layers: int = 2, dtype=torch.bfloat16):
+    """Real ``MLATokenToKVPool`` (DeepSeek-V2-style latent KV) on CPU."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return call_supported(
+        MLATokenToKVPool, size=size, page_size=page_size, dtype=dtype, kv_lora_rank=MLA_KV_LORA_RANK,
+        qk_rope_head_dim=MLA_ROPE_DIM, layer_num=layers, device=DEVICE, enable_memory_saver=False,
+        start_layer=0, end_layer=layers - 1,
+    )
+
+
+def dsa_pool_class():
+    """The release's MLA + sparse-attention-indexer pool: ``DSATokenToKVPool``
+    (``NSATokenToKVPool`` before the rename)."""
+    from sglang.srt.mem_cache import memory_pool
+
+    return getattr(memory_pool, "DSATokenToKVPool", None) or getattr(memory_pool, "NSATokenToKVPool")
+
+
+def make_dsa_pool(size: int, page_size: int, layers: int = 2, dtype=torch.bfloat16):
+    """Real DSA/NSA pool (latent KV plus the indexer's ``index_k_with_scale_buffer``) on CPU."""
+    return call_supported(
+        dsa_pool_class(), size=size, page_size=page_size, dtype=dtype, kv_lora_rank=MLA_KV_LORA_RANK,
+        qk_rope_head_dim=MLA_ROPE_DIM, layer_num=layers, device=DEVICE, index_head_dim=DSA_INDEX_HEAD_DIM,
+        enable_memory_saver=False, kv_cache_dim=MLA_KV_LORA_RANK + MLA_ROPE_DIM, start_layer=0,
+        end_layer=layers - 1,
+    )
+
+
 def make_paged_allocator(size: int, page_size: int, kv_pool, *, need_sort: bool = False):
     """Real ``PagedTokenToKVPoolAllocator`` over ``kv_pool`` (``size`` tokens)."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -675,6 +707,8 @@ def make_pd_side(
     shape: TinyModelShape = TinyModelShape(),
     num_reserved_decode_tokens: int = 0,
     decode_radix_cache: bool = False,
+    kv_pool: Any = None,
+    draft_pool: Any = None,
 ) -> PDSide:
     """Build one PD role with real SGLang pools and queues on CPU.
 
@@ -688,7 +722,12 @@ def make_pd_side(
         r2t = make_req_to_token_pool(max_reqs, context_len, decode_pre_alloc=max_reqs)
     else:
         r2t = make_req_to_token_pool(max_reqs, context_len)
-    kv_pool = make_kv_pool(num_tokens, page_size, shape)
+    if kv_pool is None:
+        kv_pool = make_kv_pool(num_tokens, page_size, shape)
+    elif callable(kv_pool):  # a builder of another real pool class (MLA, DSA, ...)
+        kv_pool = kv_pool(num_tokens, page_size)
+    if callable(draft_pool):
+        draft_pool = draft_pool(num_tokens, page_size)
     allocator = make_paged_allocator(num_tokens, page_size, kv_pool)
     # A decode server runs with the radix cache disabled unless
     # --disaggregation-decode-enable-radix-cache; mirror that by default.
@@ -714,7 +753,7 @@ def make_pd_side(
         max_total_num_tokens=num_tokens,
         scheduler=scheduler,
         transfer_backend=TransferBackend.FAKE,
-        draft_token_to_kv_pool=None,
+        draft_token_to_kv_pool=draft_pool,
     )
     if mode == "prefill":
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue

@@ -101,3 +101,27 @@ def test_aborts_at_every_phase_leave_nothing_behind(guarded, release):
 
     assert _reference(guarded) == reference
     assert "Traceback" not in guarded.log_text("prefill") and "Traceback" not in guarded.log_text("decode")
+
+
+def _early_abort(d, rid: str):
+    """Abort ``rid`` on both nodes, as a gateway would, before the request is sent."""
+    _abort(d, rid)
+    return d.generate(prompt_of_tokens(60, vocab=VOCAB, offset=4), max_new_tokens=64, timeout=120, rid=rid)
+
+
+def test_an_abort_that_overtakes_its_request_still_aborts_it(guarded):
+    """Upstream drops an abort whose request its tokenizer manager has not sent to the
+    scheduler yet (abort_before_arrival). Here the abort reaches both nodes before the
+    request does; kvguard sends it right behind the request on each node, and the
+    client gets an answer at once (0.5.21 in CI: a prefill that lost the abort kept
+    the request in its bootstrap queue until the client gave up)."""
+    rid = "kvguard-early-abort-1"
+    r = _early_abort(guarded, rid)
+    assert r.status != 0 and r.elapsed < 30, r
+    for role in ("prefill", "decode"):
+        log = guarded.log_text(role)
+        assert f"kvguard abort_before_arrival: request rid={rid} reached the scheduler" in log, (role, log[-3000:])
+    # the router may retry the aborted request with its rid; the retry is a new request
+    assert r.status in (200, 400, 499, 500, 503), r
+    ok = guarded.generate(prompt_of_tokens(40, vocab=VOCAB, offset=1), max_new_tokens=4, timeout=60)
+    assert ok.status == 200, ok

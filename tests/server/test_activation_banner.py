@@ -47,6 +47,9 @@ def _check(d, release):
         # each scheduler compared its real pools with the page guards and found them covered
         assert f"kvguard hybrid pool check: the {role} node's pool (" in d.log_text(role)
         assert "is one the page guards cover" in d.log_text(role)
+        # ... read from what upstream registered with Mooncake: K and V of 2 layers, and the metadata rows
+        assert "; transferred: kv (4 buffer(s)): covered by " in d.log_text(role), d.log_tail(role, 40)
+        assert "aux (" in d.log_text(role) and "state:" not in d.log_text(role)
         found[role] = banners
     r = d.generate(prompt_of_tokens(40, vocab=VOCAB, offset=3), max_new_tokens=4)
     assert r.status == 200, r

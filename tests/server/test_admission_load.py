@@ -116,8 +116,10 @@ def _limit(guarded) -> int:
 
 
 def test_prompts_at_and_past_the_limit(guarded):
-    limit = _limit(guarded)  # upstream rejects len >= limit
-    for n in (limit, limit + 1):
+    limit = _limit(guarded)  # the longest prompt the deployment accepts (input_limit_message)
+    ok = guarded.generate(prompt_of_tokens(limit, vocab=VOCAB, offset=2), max_new_tokens=2, timeout=60)
+    assert ok.status == 200, ok  # the number in the message is accepted: it is the real limit
+    for n in (limit + 1, limit + 2):
         r = guarded.generate(prompt_of_tokens(n, vocab=VOCAB, offset=2), max_new_tokens=2, timeout=60)
         assert r.status == 400, r
         assert f"Input length ({n} tokens) exceeds the maximum allowed length ({limit} tokens)" in r.text, r.text

@@ -63,12 +63,12 @@ def test_guarded_decode_accepts_only_what_it_can_reserve(guarded):
             over))
     for n, r in zip(over, results):
         assert r.status == 400, (n, r)
-        assert f"Input length ({n} tokens) exceeds the maximum allowed length ({FIT + 1} tokens)" in r.text, r.text
+        assert f"Input length ({n} tokens) exceeds the maximum allowed length ({FIT} tokens)" in r.text, r.text
         # decode refuses at once and tells prefill, which fails the request at once
         assert r.elapsed < 10, r
     decode_log = guarded.log_text("decode")  # rejected by decode itself (its door: kvguard's or 0.5.21+ upstream's)
     for n in over:
-        assert f"Input length ({n} tokens) exceeds the maximum allowed length ({FIT + 1} tokens)" in decode_log, n
+        assert f"Input length ({n} tokens) exceeds the maximum allowed length ({FIT} tokens)" in decode_log, n
     prefill_log = guarded.log_text("prefill")
     assert prefill_log.count("was rejected by decode") >= len(over), prefill_log[-3000:]
     assert guarded.log_text("decode").count("that decode rejected room") >= len(over)

@@ -92,9 +92,20 @@ def test_frozen_prefill_quarantines_decode_pages_until_it_drains(pd_factory, rel
         text = http_request(d.decode_url + "/metrics", timeout=30).text
         m = re.search(r"^kvguard_kv_quarantined_pages\{[^}]*\} ([0-9.e+]+)$", text, re.M)
         assert m and float(m.group(1)) >= PROMPT // 16, m and m.group(0)
+        # No request is left on decode, but its held pages may still be written: a flush
+        # must not reset the allocator now (flush_barrier). Upstream answers a busy
+        # flush with 400.
+        flush = http_request(d.decode_url + "/flush_cache", method="POST", timeout=30)
+        assert flush.status == 400, flush
+        assert "kvguard flush_barrier: cache not flushed" in d.log_text("decode")
     finally:
         os.kill(pid, signal.SIGCONT)
     after = settled(d, "decode", before, timeout=60)
+    assert (after["usable_tokens"], after["metadata_free_slots"]) == before, (before, after)
+    # drained: the flush goes through, and the pool is still whole afterwards
+    flush = http_request(d.decode_url + "/flush_cache", method="POST", timeout=30)
+    assert flush.status == 200, flush
+    after = settled(d, "decode", before, timeout=30)
     assert (after["usable_tokens"], after["metadata_free_slots"]) == before, (before, after)
     log = d.log_text("decode")
     assert re.search(r"room \d+ drained after \d+ s; its \d+ quarantined page\(s\) are released", log), log[-3000:]

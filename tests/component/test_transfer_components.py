@@ -1,0 +1,103 @@
+"""What a PD transfer moves, read from what upstream registered with its transfer
+backend, against what the page guards cover (issue: the incident's model class).
+
+Each test builds SGLang's real pools (MHA, MLA, DSA/NSA with the indexer, a draft
+model's pool) and the real PD queue for the role: the queue's own ``_init_kv_manager``
+builds the ``KVArgs`` the transfer backend is given (fake backend here; Mooncake is
+given the same). kvguard's start-up check must call the node covered only when every
+registered component is covered by every active page guard of the role, and
+otherwise refuse naming each component and guard.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from sglang_kvguard import transfer_components as tc
+from sglang_kvguard.guards import hybrid_pool_check as hpc
+
+PREFILL_GUARDS = {"prefill_source_hold", "transfer_checksum"}
+DECODE_GUARDS = {"page_generation", "decode_destination_hold", "destination_canary", "transfer_checksum"}
+
+
+def _registered(side):
+    kv_args, draft = hpc.transfer_kv_args(side.scheduler)
+    if kv_args is None:
+        from sglang.srt.disaggregation.fake.conn import FakeKVManager
+
+        if "self.kv_args = args" not in inspect.getsource(FakeKVManager.__init__):
+            pytest.skip("this release's fake transfer backend does not keep the KVArgs it was given (0.5.10-0.5.11; "
+                        "Mooncake's manager does on every release: the server tier reads it there)")
+    assert kv_args is not None, "the real queue built no KVArgs"
+    return kv_args, draft
+
+
+def _check(side, role, active, policy="refuse"):
+    kv_args, draft = _registered(side)
+    return hpc.check_pools(role, side.allocator, side.req_to_token_pool, policy, active,
+                           kv_args=kv_args, draft_pool=draft)
+
+
+def _components(side):
+    kv_args, draft = _registered(side)
+    return {c.name: c for c in tc.describe(kv_args, side.kv_pool, draft)}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_mha_pool_every_registered_buffer_is_covered(make_side, role):
+    with make_side(role) as side:
+        comps = _components(side)
+        assert set(comps) == {"kv", "aux"}, comps
+        assert comps["kv"].buffers == 2 * 2  # K and V of 2 layers
+        assert _check(side, role, PREFILL_GUARDS if role == "prefill" else DECODE_GUARDS) == "ok"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_mla_pool_latent_kv_is_covered(make_side, sgl, role):
+    with make_side(role, kv_pool=sgl.make_mla_pool) as side:
+        comps = _components(side)
+        assert set(comps) == {"kv", "aux"}, comps
+        assert comps["kv"].buffers == 2  # one latent buffer per layer
+        assert _check(side, role, PREFILL_GUARDS if role == "prefill" else DECODE_GUARDS) == "ok"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_dsa_pool_indexer_state_is_refused_by_name(make_side, sgl, role):
+    active = PREFILL_GUARDS if role == "prefill" else DECODE_GUARDS
+    with make_side(role, kv_pool=sgl.make_dsa_pool, page_size=64) as side:
+        comps = _components(side)
+        states = [n for n in comps if n.startswith("state:")]
+        assert states, f"the DSA indexer is not among the registered components: {comps}"
+        assert any(n in ("state:dsa", "state:nsa") for n in states), states
+        with pytest.raises(hpc.HybridPoolUnguarded) as info:
+            _check(side, role, active)
+        msg = str(info.value)
+        for guard in active:
+            assert f"  - {guard}: " in msg, msg
+            assert "state:" in msg.split(f"  - {guard}: ", 1)[1].split("\n", 1)[0], (guard, msg)
+        assert f"--kvguard-disable {','.join(sorted(active))}" in msg, msg
+        # the operator's ways out: those guards off (reported 'off'), or the gap accepted
+        assert _check(side, role, set()) == "ok"
+        assert _check(side, role, active, policy="warn") == "warn"
+
+
+def test_draft_kv_is_held_but_not_stamped_so_canary_and_checksum_refuse(make_side, sgl):
+    with make_side("decode", draft_pool=lambda n, page: sgl.make_kv_pool(n, page)) as side:
+        comps = _components(side)
+        assert comps["draft_kv"].buffers == 2 * 2, comps
+        with pytest.raises(hpc.HybridPoolUnguarded) as info:
+            _check(side, "decode", DECODE_GUARDS)
+        msg = str(info.value)
+        assert "  - destination_canary: draft_kv" in msg and "  - transfer_checksum: draft_kv" in msg, msg
+        assert "  - page_generation" not in msg and "  - decode_destination_hold" not in msg, msg
+        assert _check(side, "decode", DECODE_GUARDS - {"destination_canary", "transfer_checksum"}) == "ok"
+
+
+def test_an_unreadable_registration_is_never_called_covered(make_side):
+    with make_side("decode") as side:
+        with pytest.raises(hpc.HybridPoolUnguarded) as info:
+            hpc.check_pools("decode", side.allocator, side.req_to_token_pool, "refuse", DECODE_GUARDS,
+                            kv_args=None)
+        assert "could not be read" in str(info.value)
