@@ -127,17 +127,18 @@ def test_prompts_at_and_past_the_limit(guarded):
 
 
 def test_longest_accepted_prompt_is_answered(guarded, release):
-    """Upstream accepts up to 249 tokens here but its prefill scheduler admits a prompt
-    only while len + 1 + page (16) < pool (256): 239-249 would wait forever (see
-    test_incident_red). kvguard's prefill_admission_fit lowers the accepted length to
-    what an idle pool admits, so the longest accepted prompts are answered."""
+    """Upstream's prefill scheduler admits a prompt only while len + 1 + page (16) <
+    pool (256), so prompts of 239-249 tokens would be accepted and then wait forever
+    (see test_incident_red). kvguard's prefill_admission_fit lowers the accepted length
+    to what an idle pool admits, and input_limit_message names the longest accepted
+    prompt (max_req_input_len - 1), so the number in the 400 is itself answered."""
     limit = _limit(guarded)
     page_overhead = release.version_tuple >= (0, 5, 11)  # 0.5.10 adds no page
     if page_overhead:
-        assert limit == PREFILL_POOL - 1 - PAGE, limit  # 239
+        assert limit == PREFILL_POOL - 2 - PAGE, limit  # 238: len + 1 + 16 < 256
     else:
-        assert limit == PREFILL_POOL - 6, limit  # upstream's own 250 already fits
-    for n in (limit - 1, limit - 2, limit - PAGE):
+        assert limit == PREFILL_POOL - 7, limit  # upstream's own 250 (len < 250) already fits
+    for n in (limit, limit - 1, limit - PAGE):
         ok = guarded.generate(prompt_of_tokens(n, vocab=VOCAB, offset=n % 7), max_new_tokens=2, timeout=30)
         assert ok.status == 200, (n, ok)
         assert ok.json["meta_info"]["prompt_tokens"] == n
