@@ -34,6 +34,10 @@ PAGE_GUARDS = {
 
 COVERED, NOT_COVERED = "covered", "not_covered"
 
+# State components that upstream sends at the KV page ids (the DSA/NSA indexer's keys:
+# ``StateType.DSA`` from 0.5.13, ``state_type = "nsa"`` on 0.5.10-0.5.12).
+PAGE_STATE_TYPES = ("dsa", "nsa")
+
 
 @dataclass
 class Component:
@@ -54,6 +58,23 @@ def _ptrs(seq) -> List[int]:
             out.extend(int(x) for x in p)
         else:
             out.append(int(p))
+    return out
+
+
+def _ints(seq) -> List[int]:
+    """Integers of a numpy array, tensor, list or nested list (page or slot indices)."""
+    if seq is None:
+        return []
+    if hasattr(seq, "tolist"):
+        seq = seq.tolist()
+    if not isinstance(seq, (list, tuple)):
+        return [int(seq)]
+    out: List[int] = []
+    for x in seq:
+        if isinstance(x, (list, tuple)) or hasattr(x, "tolist"):
+            out.extend(_ints(x))
+        else:
+            out.append(int(x))
     return out
 
 
@@ -78,16 +99,128 @@ def _state_groups(kv_args) -> List[tuple]:
     return [(name, _ptrs(ptrs))]
 
 
+def kv_buffers(pool) -> Optional[List]:
+    """Every per-layer page buffer of an MHA or MLA token pool (token rows), or None."""
+    bufs = []
+    for attr in ("k_buffer", "v_buffer", "kv_buffer"):
+        value = getattr(pool, attr, None)
+        if isinstance(value, (list, tuple)):
+            bufs.extend(value)
+    if not bufs or not all(hasattr(b, "data_ptr") for b in bufs):
+        return None
+    return bufs
+
+
+def _empty(buf) -> bool:
+    return getattr(buf, "numel", lambda: 1)() == 0
+
+
+def indexer_buffers(pool) -> Optional[List]:
+    """The DSA/NSA indexer's per-layer key buffers (``index_k_with_scale_buffer``: one
+    row of key and scale bytes per KV page, indexed by the KV page id), without the
+    0-row placeholders of layers that write no index keys; None if the pool has no
+    indexer or lays it out otherwise (pooled or sharded index pages, which kvguard
+    does not cover)."""
+    bufs = getattr(pool, "index_k_with_scale_buffer", None)
+    if not isinstance(bufs, (list, tuple)) or not bufs or not all(hasattr(b, "data_ptr") for b in bufs):
+        return None
+    ps = int(getattr(pool, "page_size", 0) or 0)
+    if ps <= 0 or int(getattr(pool, "index_kpool", 1) or 1) != 1:
+        return None
+    if int(getattr(pool, "index_page_size", ps) or ps) != ps:
+        return None
+    rows = [b for b in bufs if not _empty(b)]
+    size = int(getattr(pool, "size", 0) or 0)
+    if not rows or any(b.dim() != 2 or b.shape[0] * ps < size for b in rows):
+        return None
+    return rows
+
+
+@dataclass
+class PageGroup:
+    """Buffers that a transfer writes at the KV page ids: ``rows_per_page`` rows per page."""
+
+    component: str  # "kv", "draft_kv", "indexer"
+    buffers: list
+    rows_per_page: int
+
+
+def page_groups(pool, draft_pool=None) -> Optional[List[PageGroup]]:
+    """Every buffer indexed by the KV page ids that the canary and the checksum stamp
+    and digest: the target pool's KV, the draft model's KV (speculative decoding: same
+    page ids), the DSA/NSA indexer keys (one row per page). None without KV buffers."""
+    kv = kv_buffers(pool) if pool is not None else None
+    if kv is None:
+        return None
+    ps = int(pool.page_size)
+    groups = [PageGroup("kv", list(kv), ps)]
+    if draft_pool is not None:
+        draft = kv_buffers(draft_pool)
+        if draft is not None and int(getattr(draft_pool, "page_size", ps) or ps) == ps:
+            groups.append(PageGroup("draft_kv", list(draft), ps))
+    idx = indexer_buffers(pool)
+    if idx is not None:
+        groups.append(PageGroup("indexer", idx, 1))
+    return groups
+
+
+def group_ptrs(groups: Optional[Sequence[PageGroup]], component: str) -> List[int]:
+    for g in groups or ():
+        if g.component == component:
+            return _buf_ptrs(g.buffers)
+    return []
+
+
+def stamp_canary(groups: Sequence[PageGroup], pages: Sequence[int], room: int) -> None:
+    """Stamp every listed page in every group with its canary (see ``kernels.stamp_canary``)."""
+    from . import kernels
+
+    for g in groups:
+        kernels.stamp_canary(g.buffers, pages, g.rows_per_page, room)
+
+
+def unwritten(groups: Sequence[PageGroup], pages: Sequence[int], room: int) -> Dict[str, List[int]]:
+    """component -> the listed pages that still hold their canary in every word of that
+    component (never written since stamping); components with none are left out."""
+    from . import kernels
+
+    out: Dict[str, List[int]] = {}
+    for g in groups:
+        counts = kernels.canary_counts(g.buffers, pages, g.rows_per_page, room).tolist()
+        full = kernels.canary_full_count(g.buffers, g.rows_per_page)
+        bad = [p for p, c in zip(pages, counts) if c == full]
+        if bad:
+            out[g.component] = bad
+    return out
+
+
+def digest(groups: Sequence[PageGroup], pages: Sequence[int], room: int) -> int:
+    """64-bit digest of the listed pages over every group, bound to ``room`` and each
+    page's position (``kernels.page_sums`` per group, one ``bind_digest``). With the
+    KV group alone it equals ``kernels.digest_pages`` over the KV buffers."""
+    import torch
+
+    from . import kernels
+
+    sums = [kernels.page_sums(g.buffers, pages, g.rows_per_page) for g in groups]
+    sums = sums[0] if len(sums) == 1 else torch.cat([x.to(sums[0].device) for x in sums], dim=0)
+    _, total = kernels.bind_digest(sums, int(room), pages)
+    return int(total)
+
+
+ALL_PAGE_GUARDS = (SOURCE_HOLD, DEST_HOLD, DEFERRED, GENERATION, CANARY, CHECKSUM)
+
+
 def describe(kv_args, kv_pool, draft_pool=None) -> List[Component]:
     """The components of this node's transfers and each page guard's coverage of them."""
-    from .guards.destination_canary import kv_buffers
-
     registered = _ptrs(getattr(kv_args, "kv_data_ptrs", None))
-    guarded = _buf_ptrs(kv_buffers(kv_pool) or [])
+    groups = page_groups(kv_pool, draft_pool) or []
+    guarded = group_ptrs(groups, "kv")
     draft = []
     if draft_pool is not None:
         infos = getattr(draft_pool, "get_contiguous_buf_infos", None)
         draft = _ptrs(infos()[0]) if infos is not None else _buf_ptrs(kv_buffers(draft_pool) or [])
+    stamped_draft = set(group_ptrs(groups, "draft_kv"))
     reg, grd, drf = set(registered), set(guarded), set(draft)
     comps: List[Component] = []
 
@@ -96,27 +229,67 @@ def describe(kv_args, kv_pool, draft_pool=None) -> List[Component]:
         comps.append(Component("kv", len(target)))
     drafted = [p for p in registered if p in drf and p not in grd]
     if drafted:
-        why = "the draft model's KV pages are not stamped or digested (only the target pool's buffers are)"
-        comps.append(Component("draft_kv", len(drafted), {CANARY: why, CHECKSUM: why},
-                               note="same page ids as the target KV: held and generation-tagged"))
+        if all(p in stamped_draft for p in drafted):
+            comps.append(Component("draft_kv", len(drafted),
+                                   note="the target KV's page ids: stamped, digested, held and generation-tagged"))
+        else:
+            why = "the draft model's KV buffers are not per-layer page buffers kvguard stamps and digests"
+            comps.append(Component("draft_kv", len(drafted), {CANARY: why, CHECKSUM: why}))
     unplaced = [p for p in registered if p not in grd and p not in drf]
     if unplaced:
         why = "registered KV buffers that are not the pool's per-layer page buffers kvguard stamps and digests"
         comps.append(Component("kv_unplaced", len(unplaced), {CANARY: why, CHECKSUM: why}))
-    missing = [p for p in guarded if p not in reg]
+    missing = [p for p in guarded + sorted(stamped_draft) if p not in reg]
     if missing:
         why = ("kvguard would stamp and digest per-layer buffers that the transfer does not carry "
                "(layer-split or other partial registration): every check would fail or raise")
         comps.append(Component("kv_unregistered", len(missing), {CANARY: why, CHECKSUM: why}))
+    indexer = group_ptrs(groups, "indexer")
+    placeholders = {int(b.data_ptr()) for b in getattr(kv_pool, "index_k_with_scale_buffer", None) or ()
+                    if hasattr(b, "data_ptr") and _empty(b)}
     for name, ptrs in _state_groups(kv_args):
-        why = (f"state component '{name}' is written with its own indices: its pages are neither held, "
-               "generation-tagged, canary-stamped nor digested")
-        comps.append(Component(f"state:{name}", len(ptrs),
-                               {g: why for g in (SOURCE_HOLD, DEST_HOLD, DEFERRED, GENERATION, CANARY, CHECKSUM)}))
+        live = [p for p in ptrs if p not in placeholders]
+        if name in PAGE_STATE_TYPES and indexer and set(live) == set(indexer):
+            comps.append(Component(f"state:{name}", len(live),
+                                   note="the indexer's keys at the KV page ids: stamped, digested, held at both "
+                                        "ends and generation-tagged"))
+            continue
+        if name in PAGE_STATE_TYPES:
+            why = (f"state component '{name}' is not laid out as one indexer row per KV page on every registered "
+                   "layer (pooled, sharded or partly registered index keys): its pages are neither held, "
+                   "generation-tagged, canary-stamped nor digested")
+        else:
+            why = (f"state component '{name}' is written with its own indices: its pages are neither held, "
+                   "generation-tagged, canary-stamped nor digested")
+        comps.append(Component(f"state:{name}", len(ptrs), {g: why for g in ALL_PAGE_GUARDS}))
     aux = _ptrs(getattr(kv_args, "aux_data_ptrs", None))
     if aux:
         comps.append(Component("aux", len(aux), note="metadata rows: held with their pages; not digested"))
     return comps
+
+
+def page_state_positions(kv_args) -> Optional[List[int]]:
+    """Positions, in a chunk's ``state_indices``, of the components sent at KV page ids
+    (the indexer's keys): a list of positions (0.5.13+: one index list per component),
+    [-1] when the whole flat list is one such component (0.5.10-0.5.12), [] if none."""
+    types = getattr(kv_args, "state_types", None)
+    if types is not None:
+        return [i for i, t in enumerate(types) if str(getattr(t, "value", t)) in PAGE_STATE_TYPES]
+    name = str(getattr(kv_args, "state_type", None) or "none")
+    return [-1] if name in PAGE_STATE_TYPES else []
+
+
+def state_pages(state_indices, positions: Sequence[int]) -> List[int]:
+    """KV page ids a chunk's state components read or write, from its ``state_indices``."""
+    if state_indices is None or not positions:
+        return []
+    if list(positions) == [-1]:
+        return _ints(state_indices)
+    out: List[int] = []
+    for i in positions:
+        if i < len(state_indices) and state_indices[i] is not None:
+            out.extend(_ints(state_indices[i]))
+    return out
 
 
 def gaps_for(role: str, comps: Sequence[Component], active: Optional[set]) -> Dict[str, List[str]]:

@@ -50,7 +50,7 @@ def maybe_inject(decode_req, queue=None) -> None:
 
     from .destination_canary import kv_buffers
 
-    pages, pool = stamped if stamped is not None else (canary[0], canary[2])
+    pages, pool = (stamped[0], stamped[1]) if stamped is not None else (canary[0], canary[2])
     bufs = kv_buffers(pool)
     ps = int(pool.page_size)
     if kind == "bitflip" and len(pages) > 1:

@@ -27,6 +27,7 @@ import random
 import threading
 from typing import Callable, Dict, List, Optional
 
+from .. import transfer_components
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, fail_closed, landed_room
@@ -39,20 +40,10 @@ POP_PREALLOCATED = target(
     why="decode: allocates pages for transfers and sends their indices to prefill",
 )
 
+kv_buffers = transfer_components.kv_buffers  # re-exported: the one definition lives there
+
 _current = threading.local()
 _warned = {"pool": False}
-
-
-def kv_buffers(pool) -> Optional[List]:
-    """Every per-layer page buffer of an MHA or MLA token pool, or None."""
-    bufs = []
-    for attr in ("k_buffer", "v_buffer", "kv_buffer"):
-        value = getattr(pool, attr, None)
-        if isinstance(value, (list, tuple)):
-            bufs.extend(value)
-    if not bufs or not all(hasattr(b, "data_ptr") for b in bufs):
-        return None
-    return bufs
 
 
 def _pool_of(queue):
@@ -60,6 +51,10 @@ def _pool_of(queue):
     if alloc is None or not hasattr(alloc, "get_kvcache"):
         return None
     return alloc.get_kvcache()
+
+
+def _draft_pool_of(queue):
+    return getattr(queue, "draft_token_to_kv_pool", None)
 
 
 def _pop_preallocated(original: Callable) -> Callable:
@@ -82,35 +77,29 @@ def _send_metadata(original: Callable) -> Callable:
             room = random.getrandbits(63)
         if queue is not None and kv_indices is not None and len(kv_indices):
             pool = _pool_of(queue)
-            bufs = kv_buffers(pool) if pool is not None else None
-            if bufs is None:
+            groups = transfer_components.page_groups(pool, _draft_pool_of(queue))
+            if groups is None:
                 if not _warned["pool"]:
                     _warned["pool"] = True
                     log.warning("destination_canary: %s has no per-layer page buffers; not stamped",
                                 type(pool).__name__)
             else:
-                from .. import kernels
-
                 pages = [int(p) for p in kv_indices]
-                kernels.stamp_canary(bufs, pages, int(pool.page_size), int(room))
-                self._kvguard_canary = (pages, int(room), pool)
+                transfer_components.stamp_canary(groups, pages, int(room))
+                self._kvguard_canary = (pages, int(room), pool, groups)
         return original(self, kv_indices, *args, **kwargs)
 
     return send_metadata
 
 
-def unwritten_pages(receiver) -> Optional[List[int]]:
-    """Reserved pages of ``receiver`` that still hold their canary everywhere."""
+def unwritten_pages(receiver) -> Optional[Dict[str, List[int]]]:
+    """component -> reserved pages of ``receiver`` that still hold their canary in every
+    word of that component (KV, draft KV, indexer keys); None if nothing was stamped."""
     stamped = getattr(receiver, "_kvguard_canary", None)
     if stamped is None:
         return None
-    pages, room, pool = stamped
-    from .. import kernels
-
-    bufs = kv_buffers(pool)
-    counts = kernels.canary_counts(bufs, pages, int(pool.page_size), room)
-    full = kernels.canary_full_count(bufs, int(pool.page_size))
-    return [p for p, c in zip(pages, counts.tolist()) if c == full]
+    pages, room, _pool, groups = stamped
+    return transfer_components.unwritten(groups, pages, room)
 
 
 def _commit(original: Callable) -> Callable:
@@ -119,16 +108,19 @@ def _commit(original: Callable) -> Callable:
         room = landed_room(self, decode_req) if receiver is not None else None
         if room is None:
             return original(self, decode_req, *args, **kwargs)
-        bad = unwritten_pages(receiver)
-        if not bad:
+        by_component = unwritten_pages(receiver)
+        if not by_component:
             return original(self, decode_req, *args, **kwargs)
         from .. import metrics
 
+        bad = sorted({p for pages in by_component.values() for p in pages})
         metrics.count("canary_hits", n=len(bad))
         total = len(receiver._kvguard_canary[0])
         shown = ", ".join(str(p) for p in bad[:16]) + (" ..." if len(bad) > 16 else "")
+        parts = "" if set(by_component) == {"kv"} else " [" + "; ".join(
+            f"{c}: {len(ps)}" for c, ps in sorted(by_component.items())) + "]"
         message = (f"kvguard: {len(bad)} of {total} KV pages reserved for this request were never written "
-                   f"by its transfer (pages {shown})")
+                   f"by its transfer (pages {shown}){parts}")
         return fail_closed(decode_req, room, message)
 
     return _commit_transfer_to_req

@@ -36,7 +36,7 @@ from ..activation import SCHEDULER_INIT
 from ..config import Flag, non_negative_seconds, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
-from .. import peer_liveness, transfer_drain
+from .. import peer_liveness, transfer_components, transfer_drain
 from ..page_hold import HOLDS, ROWS, PageHold, bind_at_scheduler_init, bind_hold, hold_for_allocator
 from . import _faults
 from .mooncake_batch_bound import TRANSFER_DATA  # one declaration of the batch sink
@@ -160,9 +160,15 @@ def page_list(idx) -> List[int]:
         return [int(p) for p in idx]
 
 
-def _chunk_pages(chunk) -> List[int]:
+def _chunk_pages(chunk, state_positions=()) -> List[int]:
+    """The KV pages a chunk reads: its own, and those its state components read at KV
+    page ids (the DSA/NSA indexer's keys, sent with the last chunk for the request's
+    pages: on 0.5.10-0.5.22 from page 0, beyond this chunk's own)."""
     idx = getattr(chunk, "prefill_kv_indices", None)
-    return [] if idx is None else page_list(idx)
+    pages = [] if idx is None else page_list(idx)
+    if state_positions:
+        pages = pages + transfer_components.state_pages(getattr(chunk, "state_indices", None), state_positions)
+    return pages
 
 
 def _chunk_row(chunk) -> Optional[int]:
@@ -202,9 +208,11 @@ def current_chunk():
 class _PinningQueue:
     """Wraps one of the manager's transfer queues: pin at put, unpin when the worker is done."""
 
-    def __init__(self, queue, hold: PageHold) -> None:
+    def __init__(self, queue, hold: PageHold, manager=None) -> None:
         self._kvguard_inner = queue
         self._hold = hold
+        # positions of the state components sent at KV page ids (transfer_components)
+        self._state_positions = transfer_components.page_state_positions(getattr(manager, "kv_args", None))
         self._local = threading.local()
         # Pins are taken only once a wrapped worker consumes this queue: a pin that
         # no ``get`` of ours would ever release must never be taken.
@@ -212,7 +220,7 @@ class _PinningQueue:
 
     def put(self, item, *args, **kwargs):
         if item is not None and self.consumer_wrapped:
-            pages = _chunk_pages(item)
+            pages = _chunk_pages(item, self._state_positions)
             row = _chunk_row(item)
             room = getattr(item, "room", None)
             self._hold.pin(pages)
@@ -230,7 +238,8 @@ class _PinningQueue:
     def get(self, *args, **kwargs):
         self.finish_current()
         item = self._kvguard_inner.get(*args, **kwargs)
-        cur = _Chunk(_chunk_pages(item), getattr(item, "room", None), _chunk_row(item)) if item is not None else None
+        cur = (_Chunk(_chunk_pages(item, self._state_positions), getattr(item, "room", None), _chunk_row(item))
+               if item is not None else None)
         self._local.current = _sending.chunk = cur
         return item
 
@@ -399,7 +408,7 @@ def _pinning_queues(manager) -> None:
             return
         for i, q in enumerate(queues):
             if not isinstance(q, _PinningQueue):
-                queues[i] = _PinningQueue(q, hold)
+                queues[i] = _PinningQueue(q, hold, manager)
 
 
 def _proxy_for(manager, queue):

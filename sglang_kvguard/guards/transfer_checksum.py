@@ -28,9 +28,10 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, List, Optional
 
+from .. import transfer_components
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
-from .destination_canary import POP_PREALLOCATED, _current, _pool_of, _pop_preallocated, kv_buffers
+from .destination_canary import POP_PREALLOCATED, _current, _draft_pool_of, _pool_of, _pop_preallocated
 from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, _is_fake, fail_closed, landed_room, unverified
 
 log = logging.getLogger("sglang_kvguard")
@@ -60,11 +61,10 @@ def join(lo: int, hi: int) -> int:
     return v - (1 << 64) if v >= (1 << 63) else v
 
 
-def digest(pool, pages: List[int], room: int) -> int:
-    from .. import kernels
-
-    _, total = kernels.digest_pages(kv_buffers(pool), pages, int(pool.page_size), int(room))
-    return int(total)
+def digest(pool, pages: List[int], room: int, draft_pool=None) -> int:
+    """Digest of ``pages`` over every buffer the transfer writes at those page ids
+    (``transfer_components.page_groups``: KV, draft KV, indexer keys)."""
+    return transfer_components.digest(transfer_components.page_groups(pool, draft_pool), pages, room)
 
 
 def publish(row, total: int, n_pages: int) -> None:
@@ -109,11 +109,12 @@ def _send_kv_chunk(original: Callable) -> Callable:
             try:
                 idx = getattr(req, "metadata_buffer_index", -1)
                 pool = self.token_to_kv_pool_allocator.get_kvcache()
-                if idx is not None and idx >= 0 and kv_buffers(pool) is not None:
+                draft = _draft_pool_of(getattr(self, "disagg_prefill_bootstrap_queue", None))
+                if idx is not None and idx >= 0 and transfer_components.kv_buffers(pool) is not None:
                     end_idx = kwargs.get("end_idx", args[1] if len(args) > 1 else None)
                     pages = sent_pages(self, req, end_idx)
                     publish(self.disagg_metadata_buffers.cached_tokens[idx],
-                            digest(pool, pages, req.bootstrap_room), len(pages))
+                            digest(pool, pages, req.bootstrap_room, draft), len(pages))
             except Exception as exc:  # noqa: BLE001 - decode fails the unpublished row closed
                 log.warning("kvguard could not checksum room %s: %s", getattr(req, "bootstrap_room", "?"), exc)
         return original(self, req, *args, **kwargs)
@@ -125,8 +126,8 @@ def _send_metadata(original: Callable) -> Callable:
     def send_metadata(self, kv_indices, *args, **kwargs):
         queue = getattr(_current, "queue", None)
         pool = _pool_of(queue) if queue is not None else None
-        if pool is not None and kv_buffers(pool) is not None and kv_indices is not None:
-            self._kvguard_checksum = ([int(p) for p in kv_indices], pool)
+        if pool is not None and transfer_components.kv_buffers(pool) is not None and kv_indices is not None:
+            self._kvguard_checksum = ([int(p) for p in kv_indices], pool, _draft_pool_of(queue))
         return original(self, kv_indices, *args, **kwargs)
 
     return send_metadata
@@ -140,9 +141,9 @@ def check(receiver, row, room: int) -> Optional[str]:
     got = published(row)
     if got is None:
         return "unverified"
-    pages, pool = stamped
+    pages, pool, draft = stamped
     want, n = got
-    have = digest(pool, pages, room)
+    have = digest(pool, pages, room, draft)
     if have == want and n == len(pages):
         return None
     return (f"KV checksum mismatch for room {room}: prefill sent {n} pages with digest {want & (2**64 - 1):016x}, "

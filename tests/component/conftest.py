@@ -11,6 +11,7 @@ Outside a test bed (no ``sglang`` importable) every test here is skipped.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import importlib.util
 import sys
 from pathlib import Path
@@ -139,6 +140,26 @@ def make_side(sgl, torch_alloc_kernels):
             yield side
 
     return factory
+
+
+@pytest.fixture
+def fake_manager_keeps_kv_args(monkeypatch):
+    """0.5.10-0.5.11's fake transfer backend drops the ``KVArgs`` its queue built and
+    handed it (Mooncake's manager keeps them on every release): keep them, so tests read
+    the same real ``KVArgs`` upstream gives Mooncake."""
+    try:
+        from sglang.srt.disaggregation.fake.conn import FakeKVManager
+    except ImportError:
+        return
+    if "self.kv_args = args" in inspect.getsource(FakeKVManager.__init__):
+        return
+    original = FakeKVManager.__init__
+
+    def __init__(self, args, *a, **kw):
+        original(self, args, *a, **kw)
+        self.kv_args = args
+
+    monkeypatch.setattr(FakeKVManager, "__init__", __init__)
 
 
 @pytest.fixture

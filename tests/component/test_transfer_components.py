@@ -18,6 +18,8 @@ import pytest
 from sglang_kvguard import transfer_components as tc
 from sglang_kvguard.guards import hybrid_pool_check as hpc
 
+pytestmark = pytest.mark.usefixtures("fake_manager_keeps_kv_args")
+
 PREFILL_GUARDS = {"prefill_source_hold", "transfer_checksum"}
 DECODE_GUARDS = {"page_generation", "decode_destination_hold", "destination_canary", "transfer_checksum"}
 
@@ -64,35 +66,57 @@ def test_mla_pool_latent_kv_is_covered(make_side, sgl, role):
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_dsa_pool_indexer_state_is_refused_by_name(make_side, sgl, role):
+def test_dsa_pool_indexer_state_is_covered(make_side, sgl, role):
+    """The indexer's keys (one row per KV page) are stamped, digested, held and tagged
+    with the KV pages (test_mla_dsa_draft_integrity.py shows each guard catching them)."""
     active = PREFILL_GUARDS if role == "prefill" else DECODE_GUARDS
     with make_side(role, kv_pool=sgl.make_dsa_pool, page_size=64) as side:
         comps = _components(side)
         states = [n for n in comps if n.startswith("state:")]
         assert states, f"the DSA indexer is not among the registered components: {comps}"
-        assert any(n in ("state:dsa", "state:nsa") for n in states), states
-        with pytest.raises(hpc.HybridPoolUnguarded) as info:
+        assert all(n in ("state:dsa", "state:nsa") for n in states), states
+        assert all(not comps[n].gaps for n in states), comps
+        assert _check(side, role, active) == "ok"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_pooled_dsa_indexer_is_refused_by_name(make_side, sgl, role):
+    """0.5.23's pooled index keys (``index_kpool`` > 1: several KV pages' keys in one
+    indexer row) are not at the KV page ids: refused, naming the component and guards."""
+    from sglang_kvguard.guards import hybrid_pool_check as hpc2
+
+    if "index_kpool" not in inspect.signature(sgl.dsa_pool_class().__init__).parameters:
+        pytest.skip("this release's DSA pool has no pooled index keys")
+
+    def pooled(n, page):
+        return sgl.call_supported(
+            sgl.dsa_pool_class(), size=n, page_size=page, dtype=sgl.torch.bfloat16,
+            kv_lora_rank=sgl.MLA_KV_LORA_RANK, qk_rope_head_dim=sgl.MLA_ROPE_DIM, layer_num=2, device=sgl.DEVICE,
+            index_head_dim=sgl.DSA_INDEX_HEAD_DIM, enable_memory_saver=False,
+            kv_cache_dim=sgl.MLA_KV_LORA_RANK + sgl.MLA_ROPE_DIM, start_layer=0, end_layer=1, index_kpool=2)
+
+    active = PREFILL_GUARDS if role == "prefill" else DECODE_GUARDS
+    with make_side(role, kv_pool=pooled, page_size=128) as side:
+        comps = _components(side)
+        states = [n for n in comps if n.startswith("state:")]
+        assert any(comps[n].gaps for n in states), comps
+        with pytest.raises(hpc2.HybridPoolUnguarded) as info:
             _check(side, role, active)
         msg = str(info.value)
         for guard in active:
             assert f"  - {guard}: " in msg, msg
-            assert "state:" in msg.split(f"  - {guard}: ", 1)[1].split("\n", 1)[0], (guard, msg)
+            assert "state:dsa" in msg.split(f"  - {guard}: ", 1)[1].split("\n", 1)[0], (guard, msg)
         assert f"--kvguard-disable {','.join(sorted(active))}" in msg, msg
-        # the operator's ways out: those guards off (reported 'off'), or the gap accepted
         assert _check(side, role, set()) == "ok"
         assert _check(side, role, active, policy="warn") == "warn"
 
 
-def test_draft_kv_is_held_but_not_stamped_so_canary_and_checksum_refuse(make_side, sgl):
+def test_draft_kv_is_covered_with_the_target_kv(make_side, sgl):
     with make_side("decode", draft_pool=lambda n, page: sgl.make_kv_pool(n, page)) as side:
         comps = _components(side)
         assert comps["draft_kv"].buffers == 2 * 2, comps
-        with pytest.raises(hpc.HybridPoolUnguarded) as info:
-            _check(side, "decode", DECODE_GUARDS)
-        msg = str(info.value)
-        assert "  - destination_canary: draft_kv" in msg and "  - transfer_checksum: draft_kv" in msg, msg
-        assert "  - page_generation" not in msg and "  - decode_destination_hold" not in msg, msg
-        assert _check(side, "decode", DECODE_GUARDS - {"destination_canary", "transfer_checksum"}) == "ok"
+        assert not comps["draft_kv"].gaps, comps
+        assert _check(side, "decode", DECODE_GUARDS) == "ok"
 
 
 def test_an_unreadable_registration_is_never_called_covered(make_side):

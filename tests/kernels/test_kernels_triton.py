@@ -183,3 +183,19 @@ def test_records_and_batch_mismatch_bit_exact(page_size, device, force_triton, l
     assert K.batch_generation_mismatch(d_gens, d_r2t, d_rec, d_len, [], page_size).numel() == 0
     d = launches()
     assert d["record"] == 2 and d["batch_mismatch"] == 3
+
+
+def test_dsa_indexer_rows_bit_exact(device, force_triton):
+    """The DSA indexer's layout (``index_k_with_scale_buffer``: one uint8 row of 64 tokens'
+    fp8 keys and fp32 scales per KV page, 8448 bytes) is read with one row per page."""
+    bufs = make_buffers(2, 9, (64 * (128 + 4),), torch.uint8, device, seed=5)
+    pages = [7, 2, 8, 2]
+    got = K.page_sums(bufs, pages, 1)
+    assert torch.equal(got.cpu(), ref.page_sums(_cpu(bufs), pages, 1))
+    K.stamp_canary(bufs, [2, 7], 1, ROOM)
+    ref_bufs = _cpu(make_buffers(2, 9, (64 * (128 + 4),), torch.uint8, "cpu", seed=5))
+    ref.stamp_canary(ref_bufs, [2, 7], 1, ROOM)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(bufs, ref_bufs))
+    full = K.canary_full_count(bufs, 1)
+    assert full == 2 * 64 * 132 // 4
+    assert K.canary_counts(bufs, [2, 7, 8], 1, ROOM).cpu().tolist() == [full, full, 0]
