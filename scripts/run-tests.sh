@@ -15,6 +15,8 @@
 #
 # Releases per tier (space separated) can be set with
 #   KVGUARD_ENGINE_RELEASES, KVGUARD_COMPONENT_RELEASES, KVGUARD_SERVER_RELEASES.
+# Without them, the engine and component tiers also run one more supported release,
+# picked by the commit hash (KVGUARD_ROTATE=0: none; KVGUARD_ROTATE=0.5.15: that one).
 # Extra pytest arguments: KVGUARD_PYTEST_ARGS. Logs of failed server tests:
 #   KVGUARD_TEST_LOGDIR (default ./test-logs).
 set -uo pipefail
@@ -32,8 +34,24 @@ if [[ ${1:-} == "--full" ]]; then
   COMPONENT=${KVGUARD_COMPONENT_RELEASES:-$ALL}
   SERVER=${KVGUARD_SERVER_RELEASES:-$ALL}
 else
-  ENGINE=${KVGUARD_ENGINE_RELEASES:-"0.5.10 0.5.19 0.5.23"}
-  COMPONENT=${KVGUARD_COMPONENT_RELEASES:-"0.5.10 0.5.19 0.5.23"}
+  # One more supported release for the engine and component tiers, rotating by commit
+  # (the commit hash picks it), so that every release is exercised over time.
+  # KVGUARD_ROTATE=0 switches it off; KVGUARD_ROTATE=0.5.15 names the extra release.
+  EXTRA=""
+  if [[ ${KVGUARD_ROTATE:-1} != 0 ]]; then
+    if [[ ${KVGUARD_ROTATE:-1} != 1 ]]; then
+      EXTRA=$KVGUARD_ROTATE
+    else
+      COMMIT=$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo 0)
+      EXTRA=$(python3 -c "
+import sys
+others = [r for r in sys.argv[2:] if r not in ('0.5.10', '0.5.19', '0.5.23')]
+print(others[int(sys.argv[1][:8] or '0', 16) % len(others)] if others else '')" "$COMMIT" $ALL)
+    fi
+    echo "=== rotating release for the engine and component tiers: ${EXTRA:-none}" >&2
+  fi
+  ENGINE=${KVGUARD_ENGINE_RELEASES:-"0.5.10 0.5.19 0.5.23 $EXTRA"}
+  COMPONENT=${KVGUARD_COMPONENT_RELEASES:-"0.5.10 0.5.19 0.5.23 $EXTRA"}
   SERVER=${KVGUARD_SERVER_RELEASES:-"0.5.10 0.5.19 0.5.23"}
 fi
 

@@ -153,11 +153,12 @@ def page_groups(pool, draft_pool=None) -> Optional[List[PageGroup]]:
     if kv is None:
         return None
     ps = int(pool.page_size)
-    groups = [PageGroup("kv", list(kv), ps)]
+    # 0-row placeholders (layers this rank does not hold: layer-split pools) hold no page
+    groups = [PageGroup("kv", [b for b in kv if not _empty(b)], ps)]
     if draft_pool is not None:
         draft = kv_buffers(draft_pool)
         if draft is not None and int(getattr(draft_pool, "page_size", ps) or ps) == ps:
-            groups.append(PageGroup("draft_kv", list(draft), ps))
+            groups.append(PageGroup("draft_kv", [b for b in draft if not _empty(b)], ps))
     idx = indexer_buffers(pool)
     if idx is not None:
         groups.append(PageGroup("indexer", idx, 1))
@@ -239,6 +240,12 @@ def describe(kv_args, kv_pool, draft_pool=None) -> List[Component]:
     if unplaced:
         why = "registered KV buffers that are not the pool's per-layer page buffers kvguard stamps and digests"
         comps.append(Component("kv_unplaced", len(unplaced), {CANARY: why, CHECKSUM: why}))
+    placeholders_kv = [b for b in kv_buffers(kv_pool) or () if _empty(b)]
+    if placeholders_kv:
+        why = (f"a layer-split pool ({type(kv_pool).__name__}): this rank holds {len(placeholders_kv)} layer(s) "
+               "only as 0-row placeholders, so the KV prefill digests and the layers decode stamps are per rank "
+               "and need not match; kvguard does not stamp or digest layer-split KV")
+        comps.append(Component("kv_layer_split", len(placeholders_kv), {CANARY: why, CHECKSUM: why}))
     missing = [p for p in guarded + sorted(stamped_draft) if p not in reg]
     if missing:
         why = ("kvguard would stamp and digest per-layer buffers that the transfer does not carry "

@@ -125,3 +125,60 @@ def test_an_unreadable_registration_is_never_called_covered(make_side):
             hpc.check_pools("decode", side.allocator, side.req_to_token_pool, "refuse", DECODE_GUARDS,
                             kv_args=None)
         assert "could not be read" in str(info.value)
+
+
+def _layer_split_pool(sgl):
+    try:
+        from sglang.srt.mem_cache.dsa_cache_layer_split import LayerSplitDSATokenToKVPool
+    except ImportError:
+        pytest.skip("this release ships no layer-split DSA pool")
+
+    def build(n, page):
+        import contextlib
+        import types
+
+        ctx = contextlib.nullcontext()
+        try:  # 0.5.2x: one rank, no CP group to broadcast over (stated as the scheduler states it)
+            from sglang.srt.runtime_context import get_parallel
+
+            ctx = get_parallel().override(attn_cp_group=types.SimpleNamespace(world_size=1, pynccl_comm=None))
+        except ImportError:
+            pass
+        with ctx:
+            return _build(n, page)
+
+    def _build(n, page):
+        return sgl.call_supported(
+            LayerSplitDSATokenToKVPool, size=n, page_size=page, dtype=sgl.torch.bfloat16,
+            kv_lora_rank=sgl.MLA_KV_LORA_RANK, qk_rope_head_dim=sgl.MLA_ROPE_DIM, layer_num=2, device=sgl.DEVICE,
+            index_head_dim=sgl.DSA_INDEX_HEAD_DIM, enable_memory_saver=False,
+            kv_cache_dim=sgl.MLA_KV_LORA_RANK + sgl.MLA_ROPE_DIM, start_layer=0, end_layer=1,
+            layer_shard_rank=0, layer_shard_size=2)
+
+    return build
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_layer_split_dsa_pool_is_refused_by_name_and_never_raises_in_a_guard(make_side, sgl, role):
+    """``LayerSplitDSATokenToKVPool``: this rank holds layer 0; layer 1 is a 0-row
+    placeholder (registered nowhere). Refused for the canary and the checksum, naming
+    the layer split; with the gap accepted, stamping and digesting never index a
+    placeholder (they raised IndexError in upstream's send_metadata before)."""
+    from sglang_kvguard import transfer_components as tc2
+
+    active = PREFILL_GUARDS if role == "prefill" else DECODE_GUARDS
+    with make_side(role, kv_pool=_layer_split_pool(sgl), page_size=64) as side:
+        comps = _components(side)
+        assert "kv_layer_split" in comps, comps
+        with pytest.raises(hpc.HybridPoolUnguarded) as info:
+            _check(side, role, active)
+        msg = str(info.value)
+        assert "  - transfer_checksum: kv_layer_split" in msg, msg
+        assert "LayerSplitDSATokenToKVPool" in msg, msg
+        for guard in ("prefill_source_hold", "page_generation", "decode_destination_hold"):
+            assert f"  - {guard}: kv_layer_split" not in msg, msg
+        assert _check(side, role, active, policy="warn") == "warn"
+        groups = tc2.page_groups(side.kv_pool)
+        tc2.stamp_canary(groups, [1, 2], 99)
+        assert tc2.unwritten(groups, [1, 2], 99) == {g.component: [1, 2] for g in groups}
+        assert isinstance(tc2.digest(groups, [1, 2], 99), int)

@@ -116,3 +116,14 @@ def test_draft_pool_with_page_buffers_is_covered():
     comps = {c.name: c for c in tc.describe(args, _pool(1, 2), draft)}
     assert comps["draft_kv"].gaps == {}
     assert [g.component for g in tc.page_groups(_pool(1, 2), draft)] == ["kv", "draft_kv"]
+
+
+def test_layer_split_placeholders_are_refused_for_canary_and_checksum_and_never_stamped():
+    pool = _pool(1, 2)
+    pool.kv_buffer = []
+    pool.k_buffer = [Buf(1), Buf(0, (0, 8))]  # the second layer is another rank's
+    args = types.SimpleNamespace(kv_data_ptrs=[1])
+    comps = {c.name: c for c in tc.describe(args, pool)}
+    assert set(comps["kv_layer_split"].gaps) == {"destination_canary", "transfer_checksum"}
+    assert "kv_unregistered" not in comps
+    assert [len(g.buffers) for g in tc.page_groups(pool)] == [1]
