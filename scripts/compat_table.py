@@ -69,7 +69,49 @@ def table() -> str:
     ]
     for release, cells in rows:
         out.append(f"| {release} | " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n" + pool_table()
+
+
+def _cell(decision: dict) -> str:
+    if decision["outcome"] == "covered":
+        return "covered (" + ", ".join(decision["components"]) + ")"
+    return "refused: " + "; ".join(f"{c} ({', '.join(g)})" for c, g in decision["missed"].items())
+
+
+def pool_table() -> str:
+    """The start-up decision per pool class, from docs/pool-coverage/*.json (recorded by
+    tests/component/test_transfer_components.py::test_pool_coverage_table_matches_docs
+    on a real release, which fails when the file and the release disagree)."""
+    import json
+
+    recs = []
+    for path in sorted((REPO / "docs" / "pool-coverage").glob("sglang-*.json")):
+        data = json.loads(path.read_text())
+        recs.append((data["release"], data["pools"]))
+    if not recs:
+        return ""
+    recs.sort(key=lambda r: tuple(int(x) if x.isdigit() else 0 for x in r[0].replace(".post", ".").split(".")))
+    out = [
+        "",
+        "## Transferred components by pool class",
+        "",
+        "The start-up decision (`hybrid_pool_check`, from what each node registers with its",
+        "transfer backend) on SGLang's real pool classes, built on the CPU test bed by",
+        "`tests/component/test_transfer_components.py`, which fails when a release decides",
+        "otherwise than recorded here (`docs/pool-coverage/`). `covered`: every listed",
+        "component is covered by every page guard of the role; `refused`: the component and",
+        "the page guards that miss it (the node refuses to start while they are active).",
+        f"Recorded on: {', '.join(r for r, _ in recs)}; other releases are exercised by the",
+        "rotating component tier.",
+        "",
+    ]
+    for release, pools in recs:
+        out += [f"### SGLang {release}", "", "| pool class | prefill | decode |", "|---|---|---|"]
+        for label in sorted(pools):
+            roles = pools[label]
+            out.append(f"| `{label}` | {_cell(roles['prefill'])} | {_cell(roles['decode'])} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main() -> int:

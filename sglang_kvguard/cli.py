@@ -41,9 +41,13 @@ def _doctor(argv: List[str]) -> int:
         return 2
     from .engine.runtime import plan
 
+    from .transfer_components import COVERAGE_RULES
+
     report, _, _ = plan(config)
     if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
+        data = report.as_dict()
+        data["component_coverage"] = dict(COVERAGE_RULES)
+        print(json.dumps(data, indent=2))
     else:
         print(f"kvguard {report.kvguard}  SGLang {report.release or 'not installed'}  "
               f"manifest {report.manifest or '-'}  on-unknown={report.on_unknown}")
@@ -53,6 +57,10 @@ def _doctor(argv: List[str]) -> int:
             print(f"{g.name:<{width}}  {g.state:<8}  {g.reason}")
         for key, state in report.activation.items():
             print(f"  activation {key}: {state}")
+        print("transferred components (each PD node decides at start-up from what it registers with its "
+              "transfer backend, logs it and exports kvguard_component_coverage):")
+        for name, rule in COVERAGE_RULES:
+            print(f"  {name}: {rule}")
         for w in report.warnings:
             print(f"warning: {w}")
         if report.refused:

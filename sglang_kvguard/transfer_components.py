@@ -299,6 +299,22 @@ def state_pages(state_indices, positions: Sequence[int]) -> List[int]:
     return out
 
 
+# What kvguard does with each kind of transferred component (``kvguard doctor``); the
+# decision for a node is taken at its start-up from what it registered (describe()).
+COVERAGE_RULES = (
+    ("kv", "covered: the target pool's per-layer page buffers (MHA K/V, MLA latent KV)"),
+    ("draft_kv", "covered: the draft model's per-layer page buffers (EAGLE / MTP), at the target KV's page ids"),
+    ("state:dsa / state:nsa", "covered when the registered buffers are exactly the pool's DSA/NSA indexer rows, "
+                              "one per KV page; otherwise (pooled or sharded index keys) refused by name"),
+    ("state:<other>", "refused by name (Mamba, SWA, SWA ring, DSA tail, block scales, MiniMax index, "
+                      "DeepSeek-V4 request state, ...): written at their own indices"),
+    ("kv_layer_split", "refused for destination_canary and transfer_checksum (layer-split DSA pools)"),
+    ("kv_unplaced / kv_unregistered", "refused for destination_canary and transfer_checksum: registered buffers "
+                                      "kvguard does not stamp, or stamped buffers never registered"),
+    ("aux", "metadata rows: held with their pages (prefill_source_hold, decode hold); not digested"),
+)
+
+
 def gaps_for(role: str, comps: Sequence[Component], active: Optional[set]) -> Dict[str, List[str]]:
     """guard -> [why] for the active page guards of ``role`` that miss a component."""
     out: Dict[str, List[str]] = {}

@@ -12,6 +12,7 @@ otherwise refuse naming each component and guard.
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 
@@ -182,3 +183,68 @@ def test_layer_split_dsa_pool_is_refused_by_name_and_never_raises_in_a_guard(mak
         tc2.stamp_canary(groups, [1, 2], 99)
         assert tc2.unwritten(groups, [1, 2], 99) == {g.component: [1, 2] for g in groups}
         assert isinstance(tc2.digest(groups, [1, 2], 99), int)
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _pool_builders(sgl):
+    """pool class label -> make_side keyword arguments, for the classes this release ships."""
+    out = {
+        "MHATokenToKVPool": dict(),
+        "MLATokenToKVPool": dict(kv_pool=sgl.make_mla_pool),
+        f"{sgl.dsa_pool_class().__name__}": dict(kv_pool=sgl.make_dsa_pool, page_size=64),
+        "MHATokenToKVPool + MHA draft": dict(draft_pool=lambda n, page: sgl.make_kv_pool(n, page)),
+        f"{sgl.dsa_pool_class().__name__} + MLA draft": dict(
+            kv_pool=sgl.make_dsa_pool, draft_pool=lambda n, page: sgl.make_mla_pool(n, page, layers=1), page_size=64),
+    }
+    if "index_kpool" in inspect.signature(sgl.dsa_pool_class().__init__).parameters:
+        def pooled(n, page):
+            return sgl.call_supported(
+                sgl.dsa_pool_class(), size=n, page_size=page, dtype=sgl.torch.bfloat16,
+                kv_lora_rank=sgl.MLA_KV_LORA_RANK, qk_rope_head_dim=sgl.MLA_ROPE_DIM, layer_num=2,
+                device=sgl.DEVICE, index_head_dim=sgl.DSA_INDEX_HEAD_DIM, enable_memory_saver=False,
+                kv_cache_dim=sgl.MLA_KV_LORA_RANK + sgl.MLA_ROPE_DIM, start_layer=0, end_layer=1, index_kpool=2)
+
+        out[f"{sgl.dsa_pool_class().__name__} (index_kpool=2)"] = dict(kv_pool=pooled, page_size=128)
+    try:
+        out["LayerSplitDSATokenToKVPool"] = dict(kv_pool=_layer_split_pool(sgl), page_size=64)
+    except pytest.skip.Exception:
+        pass
+    return out
+
+
+def test_pool_coverage_table_matches_docs(make_side, sgl):
+    """The start-up decision on each pool class this release ships that the CPU test bed
+    builds, per role: covered, or the components and the page guards that miss them.
+    ``docs/pool-coverage/sglang-<release>.json`` must say the same (rendered into
+    docs/compatibility.md by scripts/compat_table.py); KVGUARD_WRITE_POOL_COVERAGE=1
+    rewrites it from this run."""
+    import json
+    from pathlib import Path
+
+    table = {}
+    for label, kw in _pool_builders(sgl).items():
+        table[label] = {}
+        for role in ("prefill", "decode"):
+            with make_side(role, **kw) as side:
+                comps = _components(side)
+                gaps = tc.gaps_for(role, comps.values(), None)
+                missed = {}
+                for guard, whys in sorted(gaps.items()):
+                    for why in whys:
+                        missed.setdefault(why.split(" (", 1)[0], []).append(guard)
+                table[label][role] = {"components": sorted(c for c in comps if c != "aux"),
+                                      "outcome": "refused" if missed else "covered",
+                                      "missed": {c: sorted(g) for c, g in sorted(missed.items())}}
+    release = sgl.SGLANG_VERSION
+    path = Path(__file__).resolve().parents[2] / "docs" / "pool-coverage" / f"sglang-{release}.json"
+    text = json.dumps({"release": str(release), "pools": table}, indent=2, sort_keys=True) + "\n"
+    if os.environ.get("KVGUARD_WRITE_POOL_COVERAGE") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    if not path.exists():
+        pytest.skip(f"no recorded table for {release} (KVGUARD_WRITE_POOL_COVERAGE=1 records one)")
+    assert json.loads(path.read_text()) == json.loads(text), (
+        f"{path} differs from what this release decides; rerun with KVGUARD_WRITE_POOL_COVERAGE=1 and "
+        f"python scripts/compat_table.py")

@@ -21,6 +21,7 @@ def test_doctor_json_reports_every_guard_for_this_release():
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads(out.stdout)
     assert data["sglang"] == RELEASE and data["ok"] is True
+    assert "covered" in data["component_coverage"]["state:dsa / state:nsa"]  # the indexer is covered
     states = {g["name"]: g["state"] for g in data["guards"]}
     expected = "upstream" if Version(RELEASE) >= Version("0.5.21") else "active"
     assert states["admission_drain"] == expected
