@@ -34,9 +34,10 @@ PAGE_GUARDS = {
 
 COVERED, NOT_COVERED = "covered", "not_covered"
 
-# State components that upstream sends at the KV page ids (the DSA/NSA indexer's keys:
-# ``StateType.DSA`` from 0.5.13, ``state_type = "nsa"`` on 0.5.10-0.5.12).
-PAGE_STATE_TYPES = ("dsa", "nsa")
+# State components that upstream sends at the KV page ids: the DSA/NSA indexer's keys
+# (``StateType.DSA`` from 0.5.13, ``state_type = "nsa"`` on 0.5.10-0.5.12) and MXFP8
+# block scales of the full KV (``StateType.BLOCK_SCALE``).
+PAGE_STATE_TYPES = ("dsa", "nsa", "block_scale")
 
 
 @dataclass
@@ -136,6 +137,35 @@ def indexer_buffers(pool) -> Optional[List]:
     return rows
 
 
+def scale_buffers(pool) -> Optional[List]:
+    """The MXFP8 block-scale buffers (``k_scale_buffer`` then ``v_scale_buffer``) as one
+    row per KV page (upstream's interleaved layout already is; the flat per-slot layout
+    is viewed page by page), or None if the pool has none or kvguard cannot read them
+    page by page as 32-bit words."""
+    ks, vs = getattr(pool, "k_scale_buffer", None), getattr(pool, "v_scale_buffer", None)
+    if not isinstance(ks, (list, tuple)) or not isinstance(vs, (list, tuple)) or not ks:
+        return None
+    ps = int(getattr(pool, "page_size", 0) or 0)
+    if ps <= 0:
+        return None
+    import torch
+
+    out = []
+    for t in list(ks) + list(vs):
+        if not hasattr(t, "data_ptr") or not t.is_contiguous() or t.dim() < 1:
+            return None
+        if _empty(t):
+            continue
+        rows = t.shape[0] if getattr(pool, "mxfp8_sf_interleaved", False) else t.shape[0] // ps
+        if rows <= 0 or (not getattr(pool, "mxfp8_sf_interleaved", False) and t.shape[0] % ps):
+            return None
+        page = t.view(torch.uint8).reshape(rows, -1)
+        if page.shape[1] % 4:
+            return None
+        out.append(page)
+    return out or None
+
+
 @dataclass
 class PageGroup:
     """Buffers that a transfer writes at the KV page ids: ``rows_per_page`` rows per page."""
@@ -148,7 +178,8 @@ class PageGroup:
 def page_groups(pool, draft_pool=None) -> Optional[List[PageGroup]]:
     """Every buffer indexed by the KV page ids that the canary and the checksum stamp
     and digest: the target pool's KV, the draft model's KV (speculative decoding: same
-    page ids), the DSA/NSA indexer keys (one row per page). None without KV buffers."""
+    page ids), the DSA/NSA indexer keys (one row per page), MXFP8 block scales (one
+    row per page). None without KV buffers."""
     kv = kv_buffers(pool) if pool is not None else None
     if kv is None:
         return None
@@ -162,6 +193,9 @@ def page_groups(pool, draft_pool=None) -> Optional[List[PageGroup]]:
     idx = indexer_buffers(pool)
     if idx is not None:
         groups.append(PageGroup("indexer", idx, 1))
+    scales = scale_buffers(pool)
+    if scales is not None:
+        groups.append(PageGroup("block_scale", scales, 1))
     return groups
 
 
@@ -251,20 +285,23 @@ def describe(kv_args, kv_pool, draft_pool=None) -> List[Component]:
         why = ("kvguard would stamp and digest per-layer buffers that the transfer does not carry "
                "(layer-split or other partial registration): every check would fail or raise")
         comps.append(Component("kv_unregistered", len(missing), {CANARY: why, CHECKSUM: why}))
-    indexer = group_ptrs(groups, "indexer")
-    placeholders = {int(b.data_ptr()) for b in getattr(kv_pool, "index_k_with_scale_buffer", None) or ()
-                    if hasattr(b, "data_ptr") and _empty(b)}
+    placeholders = {int(b.data_ptr()) for attr in ("index_k_with_scale_buffer", "k_scale_buffer", "v_scale_buffer")
+                    for b in getattr(kv_pool, attr, None) or () if hasattr(b, "data_ptr") and _empty(b)}
+    page_state = {"dsa": ("indexer", "the indexer's keys"), "nsa": ("indexer", "the indexer's keys"),
+                  "block_scale": ("block_scale", "the KV's MXFP8 block scales")}
     for name, ptrs in _state_groups(kv_args):
         live = [p for p in ptrs if p not in placeholders]
-        if name in PAGE_STATE_TYPES and indexer and set(live) == set(indexer):
+        group, what = page_state.get(name, (None, None))
+        mine = group_ptrs(groups, group) if group else []
+        if mine and set(live) == set(mine):
             comps.append(Component(f"state:{name}", len(live),
-                                   note="the indexer's keys at the KV page ids: stamped, digested, held at both "
-                                        "ends and generation-tagged"))
+                                   note=f"{what} at the KV page ids: stamped, digested, held at both ends and "
+                                        "generation-tagged"))
             continue
-        if name in PAGE_STATE_TYPES:
-            why = (f"state component '{name}' is not laid out as one indexer row per KV page on every registered "
-                   "layer (pooled, sharded or partly registered index keys): its pages are neither held, "
-                   "generation-tagged, canary-stamped nor digested")
+        if group:
+            why = (f"state component '{name}' is not laid out as one row per KV page that kvguard reads on every "
+                   "registered buffer (pooled, sharded, partly registered or unreadable): its pages are neither "
+                   "held, generation-tagged, canary-stamped nor digested")
         else:
             why = (f"state component '{name}' is written with its own indices: its pages are neither held, "
                    "generation-tagged, canary-stamped nor digested")
@@ -306,7 +343,9 @@ COVERAGE_RULES = (
     ("draft_kv", "covered: the draft model's per-layer page buffers (EAGLE / MTP), at the target KV's page ids"),
     ("state:dsa / state:nsa", "covered when the registered buffers are exactly the pool's DSA/NSA indexer rows, "
                               "one per KV page; otherwise (pooled or sharded index keys) refused by name"),
-    ("state:<other>", "refused by name (Mamba, SWA, SWA ring, DSA tail, block scales, MiniMax index, "
+    ("state:block_scale", "covered when the registered buffers are exactly the pool's MXFP8 k/v scale buffers, "
+                          "read one row per KV page; otherwise refused by name"),
+    ("state:<other>", "refused by name (Mamba, SWA, SWA ring, SWA block scales, DSA tail, MiniMax index, "
                       "DeepSeek-V4 request state, ...): written at their own indices"),
     ("kv_layer_split", "refused for destination_canary and transfer_checksum (layer-split DSA pools)"),
     ("kv_unplaced / kv_unregistered", "refused for destination_canary and transfer_checksum: registered buffers "

@@ -146,6 +146,24 @@ def make_kv_pool(size: int, page_size: int, shape: TinyModelShape = TinyModelSha
     )
 
 
+def mxfp8_pool_class():
+    """``MHATokenToKVPoolMXFP8`` (MXFP8 block-scaled FP8 KV, 0.5.19+), or None."""
+    from sglang.srt.mem_cache import memory_pool
+
+    return getattr(memory_pool, "MHATokenToKVPoolMXFP8", None)
+
+
+def make_mxfp8_pool(size: int, page_size: int, head_dim: int = 64):
+    """Real ``MHATokenToKVPoolMXFP8``: FP8 K/V plus per-32-element UE8M0 scale buffers
+    (``k_scale_buffer`` / ``v_scale_buffer``), sent as ``StateType.BLOCK_SCALE``."""
+    shape = TinyModelShape(head_dim=head_dim)
+    return call_supported(
+        mxfp8_pool_class(), size=size, page_size=page_size, dtype=torch.float8_e4m3fn,
+        head_num=shape.num_kv_heads, head_dim=head_dim, layer_num=shape.num_layers, device=DEVICE,
+        enable_memory_saver=False, start_layer=0, end_layer=shape.num_layers - 1, enable_alt_stream=False,
+    )
+
+
 MLA_KV_LORA_RANK, MLA_ROPE_DIM, DSA_INDEX_HEAD_DIM = 32, 16, 128
 
 

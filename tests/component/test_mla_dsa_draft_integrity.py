@@ -1,6 +1,8 @@
 """The incident's model class on SGLang's real pools: MLA latent KV with the DSA/NSA
 sparse-attention indexer (``DSATokenToKVPool``; ``NSATokenToKVPool`` before the
-rename), page size 64 as DSA requires, and a speculative draft model's KV pool.
+rename), page size 64 as DSA requires, a speculative draft model's KV pool, and
+MXFP8 block-scaled KV (``MHATokenToKVPoolMXFP8``: scales sent as
+``StateType.BLOCK_SCALE``, flat per slot at page 16, interleaved per page at 128).
 
 Upstream registers the indexer's keys with the transfer backend as a state component
 (``StateType.DSA``, ``state_type = "nsa"`` on 0.5.10-0.5.12) written at the KV page
@@ -67,6 +69,19 @@ def _dsa_with_draft(sgl):
 
 def _mha_with_draft(sgl):
     return dict(draft_pool=lambda n, page: sgl.make_kv_pool(n, page), page_size=16, num_tokens=TOKENS)
+
+
+def _mxfp8(page_size):
+    def layout(sgl):
+        if sgl.mxfp8_pool_class() is None:
+            pytest.skip("this release has no MXFP8 KV pool (MHATokenToKVPoolMXFP8)")
+        return dict(kv_pool=sgl.make_mxfp8_pool, page_size=page_size, num_tokens=TOKENS)
+
+    return layout
+
+
+_mxfp8_flat = _mxfp8(16)  # one scale row per token slot
+_mxfp8_interleaved = _mxfp8(128)  # upstream's FA4 layout: one scale row per page
 
 
 def _row_buffers(buffers):
@@ -180,8 +195,9 @@ def _foreign_bytes(component, page_pos=3):
 
 
 @pytest.mark.parametrize("component,layout", [("indexer", _dsa), ("draft_kv", _dsa_with_draft),
-                                              ("draft_kv", _mha_with_draft)],
-                         ids=["dsa-indexer", "dsa-draft-mla", "mha-draft"])
+                                              ("draft_kv", _mha_with_draft), ("block_scale", _mxfp8_flat),
+                                              ("block_scale", _mxfp8_interleaved)],
+                         ids=["dsa-indexer", "dsa-draft-mla", "mha-draft", "mxfp8-scale-flat", "mxfp8-scale-paged"])
 def test_unwritten_page_of_a_component_is_caught_by_the_canary(sgl, make_side, kvguard, component, layout):
     kvguard(KVGUARD_DISABLE="transfer_checksum,transfer_coverage")
     side_kw = layout(sgl)
@@ -194,8 +210,9 @@ def test_unwritten_page_of_a_component_is_caught_by_the_canary(sgl, make_side, k
     assert after == before
 
 
-@pytest.mark.parametrize("component,layout", [("indexer", _dsa), ("draft_kv", _mha_with_draft)],
-                         ids=["dsa-indexer", "mha-draft"])
+@pytest.mark.parametrize("component,layout", [("indexer", _dsa), ("draft_kv", _mha_with_draft),
+                                              ("block_scale", _mxfp8_flat)],
+                         ids=["dsa-indexer", "mha-draft", "mxfp8-scale"])
 def test_unwritten_page_of_a_component_is_committed_without_the_canary(sgl, make_side, kvguard, component, layout):
     kvguard(KVGUARD_DISABLE="transfer_checksum,transfer_coverage,destination_canary")
     req, transferred, *_ = _decode_commit(sgl, make_side, 88002, layout(sgl), skip=(component, 4))
@@ -214,8 +231,9 @@ def test_a_fully_written_dsa_transfer_with_draft_kv_is_committed(sgl, make_side,
 
 
 @pytest.mark.parametrize("component,layout", [("indexer", _dsa), ("draft_kv", _dsa_with_draft),
-                                              ("draft_kv", _mha_with_draft)],
-                         ids=["dsa-indexer", "dsa-draft-mla", "mha-draft"])
+                                              ("draft_kv", _mha_with_draft), ("block_scale", _mxfp8_flat),
+                                              ("block_scale", _mxfp8_interleaved)],
+                         ids=["dsa-indexer", "dsa-draft-mla", "mha-draft", "mxfp8-scale-flat", "mxfp8-scale-paged"])
 def test_foreign_bytes_in_a_component_fail_the_checksum(sgl, make_side, kvguard, component, layout):
     kvguard()
     req, transferred, before, after, (kv_only, kv_only_after) = _decode_commit(
@@ -226,8 +244,9 @@ def test_foreign_bytes_in_a_component_fail_the_checksum(sgl, make_side, kvguard,
     assert after == before
 
 
-@pytest.mark.parametrize("component,layout", [("indexer", _dsa), ("draft_kv", _mha_with_draft)],
-                         ids=["dsa-indexer", "mha-draft"])
+@pytest.mark.parametrize("component,layout", [("indexer", _dsa), ("draft_kv", _mha_with_draft),
+                                              ("block_scale", _mxfp8_flat)],
+                         ids=["dsa-indexer", "mha-draft", "mxfp8-scale"])
 def test_foreign_bytes_in_a_component_are_committed_without_the_checksum(sgl, make_side, kvguard, component,
                                                                          layout):
     kvguard(KVGUARD_DISABLE="transfer_checksum")

@@ -198,6 +198,9 @@ def _pool_builders(sgl):
         f"{sgl.dsa_pool_class().__name__} + MLA draft": dict(
             kv_pool=sgl.make_dsa_pool, draft_pool=lambda n, page: sgl.make_mla_pool(n, page, layers=1), page_size=64),
     }
+    if sgl.mxfp8_pool_class() is not None:
+        out["MHATokenToKVPoolMXFP8 (page 16)"] = dict(kv_pool=sgl.make_mxfp8_pool)
+        out["MHATokenToKVPoolMXFP8 (page 128)"] = dict(kv_pool=sgl.make_mxfp8_pool, page_size=128)
     if "index_kpool" in inspect.signature(sgl.dsa_pool_class().__init__).parameters:
         def pooled(n, page):
             return sgl.call_supported(

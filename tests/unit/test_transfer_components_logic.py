@@ -71,6 +71,9 @@ def test_indexer_rows_at_the_kv_page_ids_are_covered():
     assert tc.page_state_positions(args) == [0]
     assert tc.page_state_positions(types.SimpleNamespace(state_type="nsa")) == [-1]
     assert tc.page_state_positions(types.SimpleNamespace(state_type="mamba")) == []
+    scale = types.SimpleNamespace(value="block_scale")
+    swa_scale = types.SimpleNamespace(value="block_scale_swa")
+    assert tc.page_state_positions(types.SimpleNamespace(state_types=[swa_scale, scale, dsa])) == [1, 2]
 
 
 @pytest.mark.parametrize("pool_kw, ptrs", [
