@@ -30,7 +30,7 @@ def make_tiny_mla_model(dir, *, context_length: int = CONTEXT_LENGTH, vocab: int
 
     out = Path(dir)
     stamp = out / "kvguard_tiny_mla.json"
-    spec = {"context_length": context_length, "vocab": vocab, "weights_seed": weights_seed, "v": 1}
+    spec = {"context_length": context_length, "vocab": vocab, "weights_seed": weights_seed, "v": 2}
     if stamp.is_file() and json.loads(stamp.read_text()) == spec:
         return out
     base = make_tiny_model(out.parent / (out.name + "-tokenizer"), context_length=context_length, vocab=vocab)
@@ -63,7 +63,9 @@ def make_tiny_mla_model(dir, *, context_length: int = CONTEXT_LENGTH, vocab: int
         from transformers import AutoConfig, DeepseekV2ForCausalLM
 
         hf = AutoConfig.from_pretrained(str(out))
-        hf.initializer_range = 0.5
+        # transformers' default scale: attention stays spread over the context, so KV
+        # written into any page a request attends to changes its logprobs
+        hf.initializer_range = 0.02
         torch.manual_seed(weights_seed)
         DeepseekV2ForCausalLM(hf).save_pretrained(str(out), safe_serialization=True)
         (out / "config.json").write_text(json.dumps(cfg, indent=2))  # keep the hand-written config

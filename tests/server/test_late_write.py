@@ -152,20 +152,29 @@ def _scenario(d, gate) -> tuple:
     return room, v, reference
 
 
-def _start(pd_factory, model, name, tmp_path, decode_args):
+def _start(pd_factory, model, name, tmp_path, decode_args, **kw):
     gate = tmp_path / f"{name}.gate"
     env = dict(RELEASE_TIMEOUT_ENV, KVGUARD_FAULT_INJECTION="1", KVGUARD_FAULT_LATE_WRITE_GATE=str(gate),
                KVGUARD_PEER_PROBE_INTERVAL="1")
     d = pd_factory(name, launcher="sglang_kvguard.launch_server", prefill_max_total_tokens=DECODE_POOL,
                    model=model, load_format="auto",
                    prefill_extra_args=ARGS, decode_extra_args=ARGS + decode_args, env=env,
-                   router_extra_args=["--disable-retries", "--disable-circuit-breaker"])
+                   router_extra_args=["--disable-retries", "--disable-circuit-breaker"], **kw)
     return d, gate
 
 
 def test_late_write_lands_in_reused_decode_pages_without_the_guard(pd_factory, weighted_tiny_model, release, tmp_path):
+    unguarded_case(pd_factory, weighted_tiny_model, release, tmp_path, "late-write-unguarded")
+
+
+def test_guard_keeps_late_written_pages_out_of_circulation(pd_factory, weighted_tiny_model, release, tmp_path):
+    guarded_case(pd_factory, weighted_tiny_model, release, tmp_path, "late-write-guarded")
+
+
+def unguarded_case(pd_factory, model, release, tmp_path, name, **kw):
+    """Decode's hold off: A's late write lands in the pages V grew into (V's output changes)."""
     guard = _decode_hold_guard(release)
-    d, gate = _start(pd_factory, weighted_tiny_model, "late-write-unguarded", tmp_path, [f"--kvguard-disable={guard}"])
+    d, gate = _start(pd_factory, model, name, tmp_path, [f"--kvguard-disable={guard}"], **kw)
     room, v, reference = _scenario(d, gate)
     early = GATE_AT - 100  # V's first tokens were computed before the late write landed
     assert v["logprobs"][:early] == reference["logprobs"][:early], "V differs from the reference before the late write"
@@ -175,8 +184,10 @@ def test_late_write_lands_in_reused_decode_pages_without_the_guard(pd_factory, w
         "(check the page arithmetic in the module docstring against the decode log)", changed[:5])
 
 
-def test_guard_keeps_late_written_pages_out_of_circulation(pd_factory, weighted_tiny_model, release, tmp_path):
-    d, gate = _start(pd_factory, weighted_tiny_model, "late-write-guarded", tmp_path, ["--kvguard-quarantine-after", "3"])
+def guarded_case(pd_factory, model, release, tmp_path, name, **kw):
+    """Every guard on: A's pages stay held at both ends, V equals its reference, and
+    prefill gives A's source pages and metadata row back once decode is gone."""
+    d, gate = _start(pd_factory, model, name, tmp_path, ["--kvguard-quarantine-after", "3"], **kw)
     p_idle = _baseline(d, "prefill")  # (usable tokens, free metadata rows)
     room, v, reference = _scenario(d, gate)
     assert v["text"] == reference["text"], "V's output changed: A's late write reached V's pages"

@@ -20,6 +20,7 @@ so DSA runs in the component tier and in scripts/gpu-check.sh; see docs/testing.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 
 import pytest
@@ -99,3 +100,36 @@ def test_over_capacity_mla_prompt_gets_400_with_the_real_limit(guarded_mla):
     limit = int(m.group(1))
     ok = guarded_mla.generate(prompt_of_tokens(limit, vocab=VOCAB, offset=5), max_new_tokens=2, timeout=60)
     assert ok.status == 200, (limit, ok)
+
+
+# ----------------------------------------------------------------------------- late write on MLA
+
+
+@pytest.fixture(scope="module")
+def weighted_mla_model(mla_model, tmp_path_factory):
+    """The tiny MLA model with seeded random weights (transformers' own DeepseekV2ForCausalLM):
+    its output depends on the latent KV it attends to."""
+    return make_tiny_mla_model(tmp_path_factory.mktemp("tiny-mla-w") / "deepseek-v2", weights_seed=0)
+
+
+def _late_write_releases(release):
+    # The late-write pair decodes 2 x 1000 tokens per trio; CI runs it on one release.
+    if release.version_tuple != (0, 5, 19) and os.environ.get("KVGUARD_MLA_LATE_WRITE_ALL") != "1":
+        pytest.skip("the MLA late-write pair runs on 0.5.19 in CI (KVGUARD_MLA_LATE_WRITE_ALL=1: every release)")
+
+
+def test_late_write_lands_in_reused_mla_pages_without_the_guard(pd_factory, weighted_mla_model, release, tmp_path):
+    """test_late_write.py's scenario on the MLA latent pool: a failed Mooncake send whose
+    write lands later changes another request's output when decode gives the pages back."""
+    _late_write_releases(release)
+    from test_late_write import unguarded_case
+
+    unguarded_case(pd_factory, weighted_mla_model, release, tmp_path, "late-write-mla-unguarded",
+                   sglang_plugins=PLUGINS)
+
+
+def test_guard_keeps_late_written_mla_pages_out_of_circulation(pd_factory, weighted_mla_model, release, tmp_path):
+    _late_write_releases(release)
+    from test_late_write import guarded_case
+
+    guarded_case(pd_factory, weighted_mla_model, release, tmp_path, "late-write-mla-guarded", sglang_plugins=PLUGINS)
