@@ -32,6 +32,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import inspect
+import os
 import sys
 import types
 from array import array
@@ -41,7 +42,7 @@ import torch
 from packaging.version import Version
 
 SGLANG_VERSION = Version(importlib.metadata.version("sglang"))
-DEVICE = "cpu"
+DEVICE = os.environ.get("KVGUARD_COMPONENT_DEVICE", "cpu")  # scripts/gpu-check.sh sets cuda
 
 
 def at_least(version: str) -> bool:
