@@ -48,7 +48,7 @@ def mla_model(release, tmp_path_factory):
 def guarded_mla(pd_factory, mla_model):
     # the incident's geometry (prefill pool < context) is what the pool check refuses by
     # default; 'warn' keeps it so that the over-capacity path is exercised
-    args = ["--kvguard-pool-policy", "warn"]
+    args = ["--kvguard-pool-policy", "warn", "--enable-metrics"]
     return pd_factory("guarded-mla", launcher="sglang_kvguard.launch_server", model=mla_model,
                       sglang_plugins=PLUGINS, prefill_extra_args=args, decode_extra_args=args)
 
@@ -79,6 +79,18 @@ def test_mla_nodes_check_the_latent_kv_they_transfer(guarded_mla):
         want = {"prefill_source_hold", "transfer_checksum"} if role == "prefill" else {
             "page_generation", "destination_canary", "transfer_checksum"}
         assert want <= guards, (role, guards)
+
+
+def test_mla_component_coverage_is_exported(guarded_mla):
+    from sglang_kvguard.demo.deployment import http_request
+
+    for role, url in (("prefill", guarded_mla.prefill_url), ("decode", guarded_mla.decode_url)):
+        r = http_request(url + "/metrics", timeout=30)
+        assert r.status == 200, r
+        rows = [ln for ln in r.text.splitlines() if ln.startswith("kvguard_component_coverage{")]
+        guard = "transfer_checksum"
+        hit = [ln for ln in rows if 'component="kv"' in ln and f'guard="{guard}"' in ln and f'role="{role}"' in ln]
+        assert hit and 'state="covered"' in hit[0] and hit[0].endswith(" 1.0"), (role, rows)
 
 
 @pytest.mark.parametrize("tokens", [5, 40, 200])
