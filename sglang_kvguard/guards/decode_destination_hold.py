@@ -38,7 +38,7 @@ import time
 import urllib.request
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .. import peer_liveness, transfer_drain
+from .. import peer_liveness, transfer_components, transfer_drain
 from ..activation import SCHEDULER_INIT
 from ..engine.guard import ACTIVE, OFF, Decision, Guard
 from ..engine.targets import target
@@ -138,6 +138,12 @@ def _send_metadata(original: Callable) -> Callable:
                               "%d; destination pages are not held", mgr_ps, hold.page_size)
                 return original(self, kv_indices, aux_index, *args, **kwargs)
             pages = page_list(kv_indices)
+            # pages its state components are written at (the DSA/NSA indexer, MXFP8 block
+            # scales): up to 0.5.22 from page 0, a decode radix-cache prefix included
+            state = args[0] if args else kwargs.get("state_indices")
+            positions = transfer_components.page_state_positions(
+                getattr(getattr(self, "kv_mgr", None), "kv_args", None))
+            pages = list(dict.fromkeys(pages + transfer_components.state_pages(state, positions)))
             ranks = rank_addresses(infos)
             rec = _Room(int(room), pages, None if aux_index is None else int(aux_index), ranks,
                         str(getattr(self, "bootstrap_addr", "")))

@@ -167,7 +167,8 @@ def _chunk_pages(chunk, state_positions=()) -> List[int]:
     idx = getattr(chunk, "prefill_kv_indices", None)
     pages = [] if idx is None else page_list(idx)
     if state_positions:
-        pages = pages + transfer_components.state_pages(getattr(chunk, "state_indices", None), state_positions)
+        extra = transfer_components.state_pages(getattr(chunk, "state_indices", None), state_positions)
+        pages = list(dict.fromkeys(pages + extra))
     return pages
 
 

@@ -378,3 +378,47 @@ def test_freed_and_reused_indexer_page_is_caught_by_the_generation_check(sgl, ma
         _write(d, c_pages, seed=2)  # c's transfer lands, indexer rows included
         assert not torch.equal(indexer[stolen], a_row), "a's indexer row now holds c's keys"
         assert table.mismatched([a, c]) == [0]
+
+
+def test_decode_hold_pins_the_pages_the_indexer_state_is_written_at(sgl, make_side, kvguard, monkeypatch):
+    """Decode's hold (0.5.10-0.5.20) pins, with the reserved pages, the pages the indexer
+    state is written at: up to 0.5.22 the request's pages from 0, a decode radix-cache
+    prefix included (shared pages a late write would otherwise reach after eviction)."""
+    import numpy as np
+
+    from sglang_kvguard.guards import decode_destination_hold as ddh
+
+    report = kvguard()
+    guard = {g.name: g for g in report.guards}["decode_destination_hold"]
+    if guard.state != "active" or ddh.SEND_METADATA.key not in guard.patches:
+        pytest.skip("decode's hold is upstream's on this release (decode_deferred_release, 0.5.21+)")
+    from sglang_kvguard.page_hold import HOLDS, bind_hold
+
+    with make_side("decode", **_dsa(sgl)) as d:
+        hold = bind_hold("decode", d.allocator)
+        prefix = d.allocator.alloc(2 * PAGE)  # a cached prefix (another request's radix pages)
+        req = d.new_req(PROMPT, bootstrap_room=88040)
+        d.prealloc_queue.add(req)
+        pre, failed = d.prealloc_queue.pop_preallocated()
+        assert not failed
+        receiver = pre[0].kv_receiver  # SGLang's real receiver of the configured backend
+        r2t = d.req_to_token_pool.req_to_token[sgl.req_pool_idx(req)][:PROMPT]
+        own = [int(x) // PAGE for x in r2t[::PAGE].tolist()]
+        prefix_pages = sorted({int(t) // PAGE for t in prefix.tolist()})
+        kv_args = d.prealloc_queue.kv_manager.kv_args
+        state_pages = np.asarray(prefix_pages + own, dtype=np.int32)
+        state = ([state_pages for _ in kv_args.state_types] if getattr(kv_args, "state_types", None) is not None
+                 else state_pages)
+        monkeypatch.setattr(receiver, "bootstrap_room", 88040, raising=False)
+        monkeypatch.setattr(receiver, "bootstrap_infos", [{"rank_ip": "127.0.0.1", "rank_port": 1}], raising=False)
+        monkeypatch.setattr(receiver, "kv_mgr", d.prealloc_queue.kv_manager, raising=False)
+        sent = []
+        ddh._send_metadata(lambda self, *a, **k: sent.append(a))(receiver, np.asarray(own, dtype=np.int32), 0,
+                                                                 state)
+        assert sent, "upstream's send_metadata did not run"
+        for p in prefix_pages + own:
+            assert hold.pinned(p), f"page {p} the indexer state is written at is not held"
+        d.allocator.free(prefix)  # the radix cache evicts the prefix while the transfer may still write it
+        assert hold.held_tokens() == len(prefix_pages) * PAGE, "the evicted prefix went back to the free list"
+        ddh._unpin(ddh._rooms.pop(88040), hold)  # the room drained
+        HOLDS.pop("decode", None)
