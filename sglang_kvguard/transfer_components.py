@@ -170,7 +170,7 @@ def scale_buffers(pool) -> Optional[List]:
 class PageGroup:
     """Buffers that a transfer writes at the KV page ids: ``rows_per_page`` rows per page."""
 
-    component: str  # "kv", "draft_kv", "indexer"
+    component: str  # "kv", "draft_kv", "indexer", "block_scale"
     buffers: list
     rows_per_page: int
 
@@ -196,7 +196,7 @@ def page_groups(pool, draft_pool=None) -> Optional[List[PageGroup]]:
     scales = scale_buffers(pool)
     if scales is not None:
         groups.append(PageGroup("block_scale", scales, 1))
-    return groups
+    return [g for g in groups if g.buffers]
 
 
 def group_ptrs(groups: Optional[Sequence[PageGroup]], component: str) -> List[int]:
@@ -238,6 +238,8 @@ def digest(groups: Sequence[PageGroup], pages: Sequence[int], room: int) -> int:
     from . import kernels
 
     sums = [kernels.page_sums(g.buffers, pages, g.rows_per_page) for g in groups]
+    if not sums:  # nothing this rank holds at those page ids (see kv_layer_split): nothing to bind
+        return 0
     sums = sums[0] if len(sums) == 1 else torch.cat([x.to(sums[0].device) for x in sums], dim=0)
     _, total = kernels.bind_digest(sums, int(room), pages)
     return int(total)
