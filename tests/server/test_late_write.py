@@ -21,7 +21,7 @@ until the free list runs out, then hand out the lowest page ids first.
    (SIGCONT): it fails A before V's next step. At about token 750, V has used the
    48 pages left on the free list and gets the lowest ids set aside: A's, if decode
    gave them back.
-4. At V's 900th token the gate opens: A's KV lands, over Mooncake, in A's old
+4. At V's 850th token the gate opens: A's KV lands, over Mooncake, in A's old
    decode pages.
 
 * Without the decode guard (``decode_destination_hold`` up to 0.5.20,
@@ -60,7 +60,10 @@ from test_decode_quarantine import _decode_hold_guard, _scheduler_pid
 pytestmark = pytest.mark.server
 
 A_TOKENS, V_TOKENS, V_NEW = 240, 16, 1000
-GATE_AT = 900  # V's output tokens when the late write is let through
+# V's output tokens when the late write is let through: V grows into A's old pages from
+# about token 750, and the client sees V's progress a little late (streamed chunks, and
+# more so on a loaded machine), so the gate opens 150 tokens before V ends
+GATE_AT = 850
 RELEASE_TIMEOUT_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "0.2"}
 
 
@@ -163,11 +166,20 @@ def _start(pd_factory, model, name, tmp_path, decode_args, **kw):
     return d, gate
 
 
+def _one_pair_per_release(release):
+    # test_mla_through_servers.py runs this scenario on the MLA model on 0.5.19; the tiny
+    # Llama runs it on the other CI releases (KVGUARD_LATE_WRITE_ALL=1: every release)
+    if release.version_tuple == (0, 5, 19) and os.environ.get("KVGUARD_LATE_WRITE_ALL") != "1":
+        pytest.skip("on 0.5.19 the late-write pair runs on the MLA model (test_mla_through_servers.py)")
+
+
 def test_late_write_lands_in_reused_decode_pages_without_the_guard(pd_factory, weighted_tiny_model, release, tmp_path):
+    _one_pair_per_release(release)
     unguarded_case(pd_factory, weighted_tiny_model, release, tmp_path, "late-write-unguarded")
 
 
 def test_guard_keeps_late_written_pages_out_of_circulation(pd_factory, weighted_tiny_model, release, tmp_path):
+    _one_pair_per_release(release)
     guarded_case(pd_factory, weighted_tiny_model, release, tmp_path, "late-write-guarded")
 
 
