@@ -148,10 +148,13 @@ def make_kv_pool(size: int, page_size: int, shape: TinyModelShape = TinyModelSha
 
 
 def mxfp8_pool_class():
-    """``MHATokenToKVPoolMXFP8`` (MXFP8 block-scaled FP8 KV, 0.5.19+), or None."""
+    """``MHATokenToKVPoolMXFP8`` (MXFP8 block-scaled FP8 KV) where the release transfers it
+    in PD (it registers its scale buffers: ``get_kv_scale_buf_infos``), else None (e.g.
+    0.5.16 ships the pool but refuses PD with it: "scale buffers are not exposed")."""
     from sglang.srt.mem_cache import memory_pool
 
-    return getattr(memory_pool, "MHATokenToKVPoolMXFP8", None)
+    cls = getattr(memory_pool, "MHATokenToKVPoolMXFP8", None)
+    return cls if cls is not None and hasattr(cls, "get_kv_scale_buf_infos") else None
 
 
 def make_mxfp8_pool(size: int, page_size: int, head_dim: int = 64):

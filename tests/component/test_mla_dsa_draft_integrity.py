@@ -74,7 +74,8 @@ def _mha_with_draft(sgl):
 def _mxfp8(page_size):
     def layout(sgl):
         if sgl.mxfp8_pool_class() is None:
-            pytest.skip("this release has no MXFP8 KV pool (MHATokenToKVPoolMXFP8)")
+            pytest.skip("this release does not transfer MXFP8 KV in PD (no MHATokenToKVPoolMXFP8, or it "
+                        "registers no scale buffers)")
         return dict(kv_pool=sgl.make_mxfp8_pool, page_size=page_size, num_tokens=TOKENS)
 
     return layout
