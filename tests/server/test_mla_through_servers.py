@@ -37,6 +37,9 @@ PLUGINS = [CPU_SHIM_PLUGIN, MLA_SHIM_PLUGIN]
 
 @pytest.fixture(scope="module")
 def mla_model(release, tmp_path_factory):
+    if release.version_tuple != (0, 5, 19) and os.environ.get("KVGUARD_MLA_ALL") != "1":
+        # CI time: the module's trios run on one release (0.5.23 measured: 6 passed, 2 skipped)
+        pytest.skip("the MLA server tests run on 0.5.19 in CI (KVGUARD_MLA_ALL=1: every release from 0.5.11)")
     if release.version_tuple < (0, 5, 11):
         pytest.skip(f"SGLang {release.version} has no plugin system to load the MLA CPU shim (0.5.11+)")
     if importlib.util.find_spec("sglang.srt.models.deepseek_common.attention_backend_handler") is None:
@@ -125,9 +128,10 @@ def weighted_mla_model(mla_model, tmp_path_factory):
 
 
 def _late_write_releases(release):
-    # The late-write pair decodes 2 x 1000 tokens per trio; CI runs it on one release.
+    # The late-write pair decodes 2 x 1000 tokens per trio; with KVGUARD_MLA_ALL=1 it still
+    # runs on 0.5.19 only unless KVGUARD_MLA_LATE_WRITE_ALL=1.
     if release.version_tuple != (0, 5, 19) and os.environ.get("KVGUARD_MLA_LATE_WRITE_ALL") != "1":
-        pytest.skip("the MLA late-write pair runs on 0.5.19 in CI (KVGUARD_MLA_LATE_WRITE_ALL=1: every release)")
+        pytest.skip("the MLA late-write pair runs on 0.5.19 (KVGUARD_MLA_LATE_WRITE_ALL=1: every release)")
 
 
 def test_late_write_lands_in_reused_mla_pages_without_the_guard(pd_factory, weighted_mla_model, release, tmp_path):
