@@ -41,6 +41,9 @@ def _manager():
     m._deferred_ack_poisoned_rooms = set()
     m._staging_outstanding = {}
     m.local_ip, m.rank_port = "127.0.0.1", 1
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    m.disaggregation_mode = DisaggregationMode.PREFILL  # drains are answered on prefill (read by 0.5.11's update_status)
     return m
 
 
