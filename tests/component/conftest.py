@@ -187,6 +187,26 @@ def kvguard():
 
 
 @pytest.fixture
+def install_kvguard(monkeypatch):
+    """``install(**env)``: install kvguard with those ``KVGUARD_*`` variables set for this
+    test (returns the report); uninstalled, and the page holds forgotten, at test end."""
+    import sglang_kvguard
+
+    def install(**env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return sglang_kvguard.install()
+
+    try:
+        yield install
+    finally:
+        sglang_kvguard.uninstall()
+        from sglang_kvguard.page_hold import HOLDS
+
+        HOLDS.clear()
+
+
+@pytest.fixture
 def bootstrap_server(sgl):
     """SGLang's real ``CommonKVBootstrapServer`` on a free loopback port; yields the port."""
     import time

@@ -41,21 +41,9 @@ DECODE_GUARDS = {"page_generation", "decode_destination_hold", "destination_cana
 
 
 @pytest.fixture
-def kvguard(monkeypatch):
-    import sglang_kvguard
-
-    def install(**env):
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        return sglang_kvguard.install()
-
-    try:
-        yield install
-    finally:
-        sglang_kvguard.uninstall()
-        from sglang_kvguard.page_hold import HOLDS
-
-        HOLDS.clear()
+def kvguard(install_kvguard):
+    """This module installs with flags: conftest's ``install_kvguard``."""
+    return install_kvguard
 
 
 def _dsa(sgl):

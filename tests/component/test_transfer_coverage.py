@@ -30,18 +30,9 @@ HOST = "127.0.0.1"  # a real (not warm-up) bootstrap host: upstream checks the r
 
 
 @pytest.fixture
-def kvguard(monkeypatch):
-    import sglang_kvguard
-
-    def install(**env):
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        return sglang_kvguard.install()
-
-    try:
-        yield install
-    finally:
-        sglang_kvguard.uninstall()
+def kvguard(install_kvguard):
+    """This module installs with flags: conftest's ``install_kvguard``."""
+    return install_kvguard
 
 
 def _row_buffers(buffers):
