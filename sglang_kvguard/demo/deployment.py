@@ -691,6 +691,49 @@ class PDDeployment:
         if left:
             raise DeploymentError(f"processes survived teardown: {left}")
 
+    # -- process control (chaos tests)
+    def alive(self) -> Dict[str, bool]:
+        """role -> whether its launcher process is still running."""
+        return {role: p.alive() for role, p in self.procs.items()}
+
+    def freeze(self, role: str, seconds: float) -> None:
+        """SIGSTOP every process of ``role`` (a frozen machine), SIGCONT after ``seconds``."""
+        pgid = self.procs[role].pgid
+        self._signal_group(pgid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            self._signal_group(pgid, signal.SIGCONT)
+
+    def restart(self, role: str) -> float:
+        """SIGKILL every process of ``role`` (a crashed node), start it again on the same
+        ports and wait until it answers /health; returns the seconds it was down."""
+        assert role in ("prefill", "decode"), role
+        proc = self.procs[role]
+        t0 = time.monotonic()
+        pgid = proc.pgid
+        self._signal_group(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while pgid and _pids_in_group(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if proc.popen is not None:
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        with open(proc.log_path, "ab") as logf:
+            logf.write(f"# kvguard demo: {role} killed (SIGKILL) and restarted\n".encode())
+        for attempt in range(60):  # its ports may linger for a moment after the kill
+            self._spawn(role, proc.argv)
+            try:
+                self._wait_healthy((role,), time.monotonic())
+                break
+            except DeploymentError:
+                if "Address already in use" not in self.log_tail(role, 200) or attempt == 59:
+                    raise
+                time.sleep(1.0)
+        return time.monotonic() - t0
+
     @staticmethod
     def _signal_group(pgid: Optional[int], sig: int) -> None:
         if not pgid:

@@ -552,6 +552,58 @@ def release_drained(alloc) -> int:
     return n
 
 
+_SIGNATURES: Dict[Callable, object] = {}
+
+
+def _pages_between(prefix_lens, seq_lens, bound) -> Optional[int]:
+    alloc = bound.get("self")
+    ps = int(getattr(alloc, "page_size", 0) or 0) if alloc is not None else 0
+    if ps <= 0:
+        return None
+    return sum((int(s) + ps - 1) // ps - (int(p) + ps - 1) // ps for p, s in zip(prefix_lens, seq_lens))
+
+
+def _free_list_covers(alloc, original: Callable, args, kwargs) -> bool:
+    """Whether a paged ``alloc_extend`` finds the pages it needs on the free list.
+
+    Up to 0.5.22, upstream's ``alloc_extend`` launches its kernel over the free list
+    first and checks the list's length only afterwards: short by k pages, the kernel
+    reads k entries past the end of the tensor (on CPU, through Triton's interpreter, a
+    segmentation fault that killed the prefill scheduler in the chaos soak on 0.5.10;
+    on a GPU an out-of-bounds read). Upstream never gets there short, because its
+    admission budget counts exactly the free and evictable pages; kvguard's hold takes
+    pages it budgets for off the free list, so kvguard checks first (0.5.23 checks
+    itself). Other allocation calls check before they read."""
+    if getattr(original, "__name__", "") != "alloc_extend" or not hasattr(alloc, "free_pages"):
+        return True
+    need = None
+    try:
+        sig = _SIGNATURES.get(original)
+        if sig is None:
+            import inspect
+
+            sig = _SIGNATURES[original] = inspect.signature(original)
+        bound = sig.bind(alloc, *args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return True
+    if bound.get("num_new_pages") is not None:
+        need = int(bound["num_new_pages"])
+    elif bound.get("seq_lens_cpu") is not None and bound.get("prefix_lens_cpu") is not None:
+        try:
+            need = _pages_between(bound["prefix_lens_cpu"].tolist(), bound["seq_lens_cpu"].tolist(), bound)
+        except Exception:  # noqa: BLE001 - unknown argument shapes: upstream decides
+            return True
+    if need is None:
+        return True
+    try:
+        # upstream merges its released pages into the free list before the kernel when
+        # the list runs low, so what it can read is everything available
+        return need * int(alloc.page_size) <= int(alloc.available_size())
+    except Exception as exc:  # noqa: BLE001 - never fail an allocation over the check itself
+        log.debug("kvguard prefill_source_hold: free-list check skipped: %s", exc)
+        return True
+
+
 def _alloc_waits_for_held_pages(original: Callable) -> Callable:
     """A failed allocation retries once held pages have drained (bounded wait).
 
@@ -565,16 +617,19 @@ def _alloc_waits_for_held_pages(original: Callable) -> Callable:
     pages to drain, gives them back and retries. Costs nothing on success."""
 
     def alloc(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        if out is not None:
-            return out
+        if _free_list_covers(self, original, args, kwargs):
+            out = original(self, *args, **kwargs)
+            if out is not None:
+                return out
+        else:
+            out = None
         hold = hold_for_allocator(self)
         if hold is None or hold.role != ROLE or not hold.held_pages():
             return out  # decode never blocks its scheduler on a stuck prefill: admission just waits
         deadline = time.monotonic() + ALLOC_WAIT
         waited = False
         while True:
-            if release_drained(self):
+            if release_drained(self) and _free_list_covers(self, original, args, kwargs):
                 out = original(self, *args, **kwargs)
                 if out is not None:
                     from .. import metrics

@@ -826,6 +826,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-tokens", type=int, help="length of tenant-A's long prompts in cross_tenant and of "
                     "the long prompt in prefill_speed (default: limit // 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--soak", type=int, metavar="N",
+                    help="instead of the checks: a chaos soak of N mixed requests (short, at and over the limit, "
+                    "streamed or not; aborts on every node, client disconnects, /flush_cache at random moments); "
+                    "fails on a foreign answer, an over-limit answer, a hang or a resource leak (docs/probe.md)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return ap
 
@@ -851,6 +855,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = ap.parse_args(argv)
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 for --help
         return int(exc.code or 0)
+    if args.soak is not None:
+        return _soak_main(args)
     try:
         cfg = config_from_args(args)
     except ProbeError as exc:
@@ -871,6 +877,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.junit, "w", encoding="utf-8") as f:
             f.write(to_junit(rep))
     return rep.exit_code
+
+
+def _soak_main(args: argparse.Namespace) -> int:
+    from .soak import SoakConfig, SoakError, render, run_soak
+
+    if args.soak < 1 or args.concurrency < 1:
+        print("kvguard probe: error: --soak and --concurrency must be positive", file=sys.stderr)
+        return 2
+    cfg = SoakConfig(url=args.url, requests=args.soak, concurrency=args.concurrency, seed=args.seed,
+                     max_new_tokens=args.max_tokens, limit=args.limit, nodes=tuple(args.node),
+                     token_range=args.token_range, bound_s=max(args.timeout, 1.0))
+    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        rep = run_soak(cfg, log=log, progress=not args.quiet and sys.stderr.isatty())
+    except SoakError as exc:
+        print(f"kvguard probe --soak: error: {exc}", file=sys.stderr)
+        return 2
+    print(render(rep))
+    if args.json:
+        payload = json.dumps(rep.as_dict(), indent=1, default=str)
+        if args.json == "-":
+            print(payload)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(payload)
+    return 0 if rep.ok else 1
 
 
 if __name__ == "__main__":

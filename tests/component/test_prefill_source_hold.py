@@ -323,3 +323,83 @@ def test_a_failed_allocation_without_held_pages_fails_at_once(make_side, guarded
         assert p.allocator.alloc(PAGE) is None
         assert time.monotonic() - t0 < 0.1
         p.allocator.free(rest)
+
+
+def test_alloc_extend_never_runs_its_kernel_over_a_short_free_list(make_side, guarded, monkeypatch):
+    """Up to 0.5.22 upstream's paged ``alloc_extend`` launches its kernel over the free
+    list and checks the list's length afterwards; short by k pages, the kernel reads k
+    entries past the end (the chaos soak on 0.5.10: a segmentation fault in Triton's
+    interpreter killed the prefill scheduler). kvguard's hold makes the list short while
+    the scheduler budgets the held pages, so kvguard checks before upstream runs. The
+    kernel (and 0.5.23's torch path) is watched here: it must never start short."""
+    import inspect
+    import sys
+    import time
+
+    import torch
+
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p)
+        alloc = p.allocator
+        mod = sys.modules[inspect.getmodule(type(alloc)).__name__]
+        short_reads, runs = [], []
+
+        def watch(name, real):
+            def check(n_pages):
+                runs.append(name)
+                if n_pages > len(alloc.free_pages):
+                    short_reads.append((name, n_pages, len(alloc.free_pages)))
+                    raise AssertionError(f"{name} started over a free list of {len(alloc.free_pages)} pages "
+                                         f"for {n_pages}")
+
+            if name == "alloc_extend_kernel":
+                class Launch:
+                    def __getitem__(self, grid):
+                        def go(*args, **kwargs):
+                            check(NEED)
+                            return real[grid](*args, **kwargs)
+                        return go
+                return Launch()
+
+            def naive(*args, **kwargs):
+                check(NEED)
+                return real(*args, **kwargs)
+            return naive
+
+        for name in ("alloc_extend_kernel", "alloc_extend_naive"):
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, watch(name, getattr(mod, name)))
+        NEED = 4
+        a = alloc.alloc(NEED * PAGE)
+        rest = alloc.alloc(alloc.available_size())
+        queue.put(transfer_chunk(7007, _pages(a)))
+        sending, drain = threading.Event(), threading.Event()
+
+        def worker():
+            assert queue.get().room == 7007
+            sending.set()
+            drain.wait(10)
+            queue.finish_current()
+
+        t = threading.Thread(target=worker, daemon=True)
+        t.start()
+        assert sending.wait(5)
+        alloc.free(a)  # evicted while being sent: held, off the free list
+        assert hold.held_pages() == NEED and len(alloc.free_pages) == 0
+        timer = threading.Timer(0.2, drain.set)
+        timer.start()
+        z = torch.zeros(1, dtype=torch.int64)
+        n = torch.tensor([NEED * PAGE], dtype=torch.int64)
+        t0 = time.monotonic()
+        out = alloc.alloc_extend(prefix_lens=z.clone(), prefix_lens_cpu=z.clone(), seq_lens=n.clone(),
+                                 seq_lens_cpu=n.clone(), last_loc=torch.tensor([-1], dtype=torch.int64),
+                                 extend_num_tokens=NEED * PAGE)
+        waited = time.monotonic() - t0
+        timer.join()
+        t.join(5)
+        assert not short_reads, short_reads
+        assert out is not None and _pages(out) == _pages(a), out
+        assert runs, "the allocation never ran upstream's allocation path"
+        assert 0.15 <= waited < g.ALLOC_WAIT, waited
+        alloc.free(out)
+        alloc.free(rest)

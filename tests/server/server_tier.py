@@ -1,5 +1,6 @@
 """Shared constants of the server tier (imported by conftest.py and the test modules;
 a uniquely named module, since several conftest.py files exist in this repo)."""
+import os
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -71,3 +72,21 @@ def make_tiny_mla_model(dir, *, context_length: int = CONTEXT_LENGTH, vocab: int
         (out / "config.json").write_text(json.dumps(cfg, indent=2))  # keep the hand-written config
     stamp.write_text(json.dumps(spec))
     return out
+
+
+ROTATION_ENV = "KVGUARD_SERVER_ROTATION"
+
+
+def rotating_module(release, what: str) -> None:
+    """Skip ``what`` unless this release is the one the CI run picked for it.
+
+    The slowest server modules (the chaos soak, the smoke test's record) run on one of
+    the CI releases per run: scripts/run-tests.sh sets ``KVGUARD_SERVER_ROTATION`` to a
+    release picked by the commit hash, so each release gets them every few commits.
+    Unset (a module run alone, scripts/soak.sh) or ``all``: every release."""
+    import pytest
+
+    chosen = os.environ.get(ROTATION_ENV, "all")
+    if chosen != "all" and release.version != chosen:
+        pytest.skip(f"{what} runs on {chosen} in this CI run (the release rotates by commit; "
+                    f"{ROTATION_ENV}=all: on every release)")

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from server_tier import CONTEXT_LENGTH, DECODE_POOL, PREFILL_POOL, VOCAB
+from server_tier import CONTEXT_LENGTH, DECODE_POOL, PREFILL_POOL, VOCAB, rotating_module
 from sglang_kvguard.demo.tinymodel import prompt_of_tokens
 
 pytestmark = pytest.mark.server
@@ -23,7 +23,10 @@ OVER_TIMEOUT_S = 30
 
 
 @pytest.fixture(scope="module")
-def pd(pd_factory):
+def pd(pd_factory, release):
+    # every other server module proves PD works end to end on each release; this
+    # module's record and preflight check rotate over the CI releases
+    rotating_module(release, "the PD smoke record")
     return pd_factory(
         "smoke",
         prefill_max_total_tokens=PREFILL_POOL,
