@@ -44,8 +44,11 @@ BOUND_S = 90.0
 @pytest.fixture(scope="module")
 def soak_trio(pd_factory, weighted_tiny_model, release):
     rotating_module(release, "the chaos soak")
+    # KVGUARD_SOAK_EXTRA_ARGS (e.g. "--kvguard-disable=flush_barrier"): appended on both
+    # nodes, to show what the soak finds without a guard
+    extra = os.environ.get("KVGUARD_SOAK_EXTRA_ARGS", "").split()
     return pd_factory("soak", launcher="sglang_kvguard.launch_server", model=weighted_tiny_model,
-                      load_format="auto", prefill_extra_args=ARGS, decode_extra_args=ARGS,
+                      load_format="auto", prefill_extra_args=ARGS + extra, decode_extra_args=ARGS + extra,
                       env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT)})
 
 

@@ -34,7 +34,7 @@ import sys
 
 import pytest
 
-from server_tier import REPO
+from server_tier import REPO, rotating_module
 
 pytestmark = pytest.mark.server
 pytest_plugins = ["pytester"]
@@ -67,10 +67,14 @@ def _checks(rep):
 
 
 @pytest.fixture(scope="module")
-def start(pd_factory, weighted_tiny_model):
+def start(pd_factory, weighted_tiny_model, release):
     """Every trio here serves the tiny model with seeded random weights: with SGLang's
     dummy weights every logit is ~0 and no output depends on its context, so the
-    probe's cross_tenant check could not fail whatever decode attended to."""
+    probe's cross_tenant check could not fail whatever decode attended to.
+
+    The probe talks HTTP only; what it meets differs by release mainly in the
+    unguarded answer, so in CI this module rotates over the three server releases."""
+    rotating_module(release, "the live probe module")
     def go(name, **kw):
         return pd_factory(name, model=weighted_tiny_model, load_format="auto", **kw)
     return go
