@@ -555,11 +555,7 @@ def release_drained(alloc) -> int:
 _SIGNATURES: Dict[Callable, object] = {}
 
 
-def _pages_between(prefix_lens, seq_lens, bound) -> Optional[int]:
-    alloc = bound.get("self")
-    ps = int(getattr(alloc, "page_size", 0) or 0) if alloc is not None else 0
-    if ps <= 0:
-        return None
+def _pages_between(prefix_lens, seq_lens, ps: int) -> int:
     return sum((int(s) + ps - 1) // ps - (int(p) + ps - 1) // ps for p, s in zip(prefix_lens, seq_lens))
 
 
@@ -574,8 +570,8 @@ def _free_list_covers(alloc, original: Callable, args, kwargs) -> bool:
     admission budget counts exactly the free and evictable pages; kvguard's hold takes
     pages it budgets for off the free list, so kvguard checks first (0.5.23 checks
     itself). Other allocation calls check before they read."""
-    if getattr(original, "__name__", "") != "alloc_extend" or not hasattr(alloc, "free_pages"):
-        return True
+    if not hasattr(alloc, "free_pages") or hold_for_allocator(alloc) is None:
+        return True  # no kvguard hold on this allocator: upstream's budget is exact
     need = None
     try:
         sig = _SIGNATURES.get(original)
@@ -590,7 +586,8 @@ def _free_list_covers(alloc, original: Callable, args, kwargs) -> bool:
         need = int(bound["num_new_pages"])
     elif bound.get("seq_lens_cpu") is not None and bound.get("prefix_lens_cpu") is not None:
         try:
-            need = _pages_between(bound["prefix_lens_cpu"].tolist(), bound["seq_lens_cpu"].tolist(), bound)
+            need = _pages_between(bound["prefix_lens_cpu"].tolist(), bound["seq_lens_cpu"].tolist(),
+                                  int(alloc.page_size))
         except Exception:  # noqa: BLE001 - unknown argument shapes: upstream decides
             return True
     if need is None:
@@ -604,7 +601,7 @@ def _free_list_covers(alloc, original: Callable, args, kwargs) -> bool:
         return True
 
 
-def _alloc_waits_for_held_pages(original: Callable) -> Callable:
+def _alloc_waits_for_held_pages(original: Callable, extend: bool = False) -> Callable:
     """A failed allocation retries once held pages have drained (bounded wait).
 
     The scheduler budgets admission with the allocator's free pages plus the radix
@@ -616,8 +613,11 @@ def _alloc_waits_for_held_pages(original: Callable) -> Callable:
     milliseconds normally, so on failure this waits (up to ``ALLOC_WAIT``) for held
     pages to drain, gives them back and retries. Costs nothing on success."""
 
+    def covers(self, args, kwargs) -> bool:
+        return not extend or _free_list_covers(self, original, args, kwargs)
+
     def alloc(self, *args, **kwargs):
-        if _free_list_covers(self, original, args, kwargs):
+        if covers(self, args, kwargs):
             out = original(self, *args, **kwargs)
             if out is not None:
                 return out
@@ -629,7 +629,7 @@ def _alloc_waits_for_held_pages(original: Callable) -> Callable:
         deadline = time.monotonic() + ALLOC_WAIT
         waited = False
         while True:
-            if release_drained(self) and _free_list_covers(self, original, args, kwargs):
+            if release_drained(self) and covers(self, args, kwargs):
                 out = original(self, *args, **kwargs)
                 if out is not None:
                     from .. import metrics
@@ -743,7 +743,7 @@ class PrefillSourceHoldGuard(Guard):
             HELD_MIXIN.key: _held_tokens,
             HELD_OBSERVER.key: _held_tokens,
             PAGED_ALLOC.key: _alloc_waits_for_held_pages,
-            PAGED_ALLOC_EXTEND.key: _alloc_waits_for_held_pages,
+            PAGED_ALLOC_EXTEND.key: lambda original: _alloc_waits_for_held_pages(original, extend=True),
             TOKEN_ALLOC.key: _alloc_waits_for_held_pages,
             METADATA_FREE.key: ROWS.wrap_free,
         }
