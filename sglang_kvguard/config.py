@@ -67,6 +67,14 @@ FLAGS: List[Flag] = [
         "guard is reported as 'off' in the banner and metrics.",
     ),
     Flag(
+        "accounting",
+        "off",
+        "Guard cost accounting: 'on' times every kvguard wrapper (upstream calls excluded) "
+        "and the scheduler's busy time, exported as kvguard_guard_seconds_total{guard} and "
+        "kvguard_scheduler_busy_seconds_total; 'off' (default) adds nothing.",
+        choices=("off", "on"),
+    ),
+    Flag(
         "log_level",
         "INFO",
         "Log level of kvguard's own logger.",

@@ -74,15 +74,18 @@ class PageHold:
                 if n > 0:
                     self._pins[p] = n
                     continue
-                self._pins.pop(p, None)
-                if n < 0:
-                    log.error("kvguard page hold (%s): page %d unpinned more often than pinned", self.role, p)
                 if p in self._held:
+                    # releasable before it leaves the held set, and before its pin goes: a
+                    # lock-free reader (flush_barrier, the poll fast path) may count it twice
+                    # for an instant, never not at all
+                    self._releasable.append(p)
                     self._held.pop(p)
                     if p in self._quarantined:
                         self._quarantined.discard(p)
                         self.stats["released_from_quarantine"] += 1
-                    self._releasable.append(p)
+                self._pins.pop(p, None)
+                if n < 0:
+                    log.error("kvguard page hold (%s): page %d unpinned more often than pinned", self.role, p)
 
     def pinned(self, page: int) -> bool:
         with self._lock:
@@ -238,10 +241,11 @@ class RowHold:
             if n > 0:
                 self._pins[int(row)] = n
                 return
-            self._pins.pop(int(row), None)
-            owner = self._held.pop(int(row), None)
-            if owner is not None:
+            owner = self._held.get(int(row))
+            if owner is not None:  # releasable first: lock-free readers never see it in neither
                 self._releasable.append((owner, int(row)))
+                self._held.pop(int(row), None)
+            self._pins.pop(int(row), None)
 
     def divert(self, owner, row) -> bool:
         """The scheduler frees ``row``: True if it is pinned (held instead)."""

@@ -24,7 +24,7 @@ from packaging.version import InvalidVersion, Version
 from .. import __version__
 from ..config import Config
 from . import manifest as manifest_mod
-from .fingerprint import fingerprint_file
+from .fingerprint import fingerprint_file, release_parse_cache
 from .guard import ACTIVE, OFF, REFUSED, Decision, Guard, TargetRefused
 from .manifest import Located, Manifest
 from .patching import Patcher
@@ -254,6 +254,7 @@ def plan(config: Optional[Config] = None, release: Optional[str] = None) -> Tupl
                 activation[key] = ACTIVE
             except TargetRefused as exc:
                 activation[key] = f"{OFF}: {exc}"
+    release_parse_cache()  # the fingerprints found stay memoised; the syntax trees go
     report = Report(__version__, release, ctx.manifest.path if ctx.manifest else None,
                     config.on_unknown, reports, ctx.warnings, activation)
     return report, ctx, guards
@@ -297,6 +298,9 @@ def install(config: Optional[Config] = None, *, banner: bool = True) -> Report:
         _state.update(report=report, patcher=patcher, ctx=ctx, config=config)
         _state["generation"] = int(_state["generation"]) + 1  # type: ignore[arg-type]
         generation = _state["generation"]
+        from .. import guard_cost
+
+        accounting = guard_cost.enabled(config)
         by_name = {g.name: g for g in guards}
         for gr in report.guards:
             if gr.state != ACTIVE:
@@ -305,8 +309,11 @@ def install(config: Optional[Config] = None, *, banner: bool = True) -> Report:
             factories = guard.wrappers(ctx)
             for key in gr.patches:
                 if key in factories:
-                    _hook(patcher, generation, ctx, key, gr.name, factories[key])
+                    factory = guard_cost.accounted(gr.name, factories[key], key) if accounting else factories[key]
+                    _hook(patcher, generation, ctx, key, gr.name, factory)
             guard.on_installed(ctx)
+        if accounting:
+            _hook_busy_time(patcher, generation, ctx)
         from .. import activation, metrics
 
         for key, factory in activation.TARGETS.items():
@@ -316,6 +323,24 @@ def install(config: Optional[Config] = None, *, banner: bool = True) -> Report:
         if banner and not activation.defer_banner():
             log.info(report.banner(activation.where()))
         return report
+
+
+def _hook_busy_time(patcher: Patcher, generation, ctx: Context) -> None:
+    """Accounting on: count the scheduler's busy time beside the guards' (guard_cost)."""
+    from .. import guard_cost
+
+    counted, missing = [], []
+    for key, factory in guard_cost.BUSY_TARGETS.items():
+        try:
+            _hook(patcher, generation, ctx, key, guard_cost.BUSY, factory)
+            counted.append(key.rsplit(".", 1)[-1])
+        except TargetRefused as exc:
+            missing.append(str(exc))
+    bias = guard_cost.calibrate()
+    log.info("kvguard accounting on: guard wrappers timed (the timing itself adds %.0f ns per call, "
+             "exported for subtraction); scheduler busy time from %s", bias, ", ".join(counted))
+    for why in missing:
+        log.warning("kvguard accounting: busy time not counted there (the guard share reads high): %s", why)
 
 
 def _hook(patcher: Patcher, generation, ctx: Context, key: str, guard: str, factory) -> None:

@@ -42,5 +42,6 @@ def all_targets() -> Dict[str, Target]:
     # Importing the guard package declares every guard's targets.
     from sglang_kvguard import guards  # noqa: F401
     from sglang_kvguard import activation  # noqa: F401
+    from sglang_kvguard import guard_cost  # noqa: F401
 
     return dict(sorted(_REGISTRY.items()))

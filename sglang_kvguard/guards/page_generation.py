@@ -96,14 +96,25 @@ class GenerationTable:
         self.width = -(-int(tokens) // self.page_size)
         self.rec = torch.zeros(int(rows), self.width, dtype=torch.int32, device=device)
         self.rec_len = torch.zeros(int(rows), dtype=torch.int32, device=device)
-        self.stats = {"bumped": 0, "recorded": 0, "checked": 0, "mismatches": 0, "first_seen": 0}
+        self.stats = {"bumped": 0, "recorded": 0, "checked": 0, "skipped": 0, "mismatches": 0, "first_seen": 0}
+        # Every free that changes a generation advances the epoch. A row verified clean (or
+        # recorded whole) at the current epoch cannot have a mismatch yet: no generation
+        # changed since, so the batch check skips its kernel when every row of the batch
+        # is such a row (most decode steps: requests grow without freeing). Relies on a
+        # row's recorded slots not being re-pointed without a free; upstream re-points them
+        # only in the radix insert, which frees the duplicates (an epoch) and after which
+        # checked_insert records the rows again.
+        self.epoch = 0
+        self.row_epoch: Dict[int, int] = {}
 
     # -- free sink
     def bump_pages(self, page_ids) -> None:
         from .. import kernels
 
         if page_ids.numel():
+            self.epoch += 1  # before the bump: a concurrent check never takes the new state for clean
             kernels.bump_generations(self.gens, page_ids.to(self.gens.device))
+            self.epoch += 1
             self.stats["bumped"] += int(page_ids.numel())
 
     # -- records
@@ -112,10 +123,12 @@ class GenerationTable:
         from .. import kernels
 
         ends = [min(-(-int(n) // self.page_size), self.width) for n in n_tokens]
+        epoch = self.epoch
         kernels.record_generations(self.gens, self.req_to_token, self.rec, self.rec_len, rows, [0] * len(rows), ends,
                                    self.page_size)
         for r, row in zip(reqs, rows):
             setattr(r, REQ_ATTR, row)
+            self.row_epoch[row] = epoch  # recorded whole from the generations of this epoch
         self.stats["recorded"] += len(rows)
 
     def record_row(self, req, row: int, n_tokens: int) -> None:
@@ -142,6 +155,8 @@ class GenerationTable:
         import torch
 
         self.rec_len[torch.tensor(fresh, dtype=torch.int64, device=self.rec_len.device)] = 0
+        for row in fresh:
+            self.row_epoch[row] = self.epoch  # nothing recorded: nothing to mismatch
         self.stats["first_seen"] += len(fresh)
         from .. import metrics
 
@@ -153,12 +168,25 @@ class GenerationTable:
 
         rows = self._rows(reqs)
         self.adopt_unrecorded(reqs, rows)
+        epoch = self.epoch
+        if epoch % 2 == 0 and all(self.row_epoch.get(row) == epoch for row in rows):
+            self.stats["skipped"] += len(rows)  # no generation changed since each row was verified
+            return []
         flags = kernels.batch_generation_mismatch(self.gens, self.req_to_token, self.rec, self.rec_len, rows,
                                                   self.page_size)
         self.stats["checked"] += len(rows)
         if not bool(flags.any()):
+            if epoch % 2 == 0:
+                for row in rows:
+                    self.row_epoch[row] = epoch
             return []
-        return [i for i, bad in enumerate(flags.tolist()) if bad]
+        bad = [i for i, b in enumerate(flags.tolist()) if b]
+        if epoch % 2 == 0:
+            bad_set = set(bad)
+            for i, row in enumerate(rows):
+                if i not in bad_set:
+                    self.row_epoch[row] = epoch
+        return bad
 
     def extend(self, reqs, seq_lens) -> None:
         """Record the slots a decode step added (up to each request's current length)."""
@@ -350,6 +378,7 @@ def release_failed(sched, req, table: GenerationTable, bad_pages) -> int:
         ps = table.page_size
         alloc.free(torch.tensor(own, dtype=torch.int64, device=table.req_to_token.device) * ps)
     table.rec_len[row] = 0
+    table.row_epoch.pop(row, None)
     sched.req_to_token_pool.free(req)
     try:
         _unlock_prefix(sched, req)

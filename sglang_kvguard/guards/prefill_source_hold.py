@@ -654,8 +654,20 @@ def _alloc_waits_for_held_pages(original: Callable, extend: bool = False) -> Cal
 _last_sweep = {"t": 0.0}
 
 
+def _nothing_to_release() -> bool:
+    """Lock-free: no hold has a freed page held or releasable, and no metadata row waits
+    (a page moving from held to releasable is never seen in neither: PageHold.unpin); a
+    stale 'something' costs one slow pass, a stale 'nothing' one loop iteration."""
+    for h in HOLDS.values():
+        if h._held or h._releasable:
+            return False
+    return not ROWS._releasable
+
+
 def _pop_bootstrapped(original: Callable) -> Callable:
     def pop_bootstrapped(self, *args, **kwargs):
+        if _nothing_to_release():  # the idle poll: every loop iteration
+            return original(self, *args, **kwargs)
         try:
             sched = getattr(self, "scheduler", None)
             alloc = getattr(sched, "token_to_kv_pool_allocator", None) or getattr(self, "token_to_kv_pool_allocator", None)

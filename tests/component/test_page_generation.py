@@ -222,3 +222,31 @@ def test_a_failed_request_gives_back_its_lock_on_a_shared_radix_prefix(sgl, make
         assert after["protected"] == 0, "the failed request still locks the shared prefix"
         assert after["evictable"] == before["evictable"], "the shared prefix left the cache"
         assert after == before, (before, after)
+
+
+def test_a_step_without_frees_skips_the_kernel_but_a_row_checked_before_a_free_is_checked_again(sgl, make_side,
+                                                                                              kvguard):
+    """The epoch skip: a batch whose rows were all verified since the last free skips the
+    kernel; a free between two checks makes every row count again, including a row that
+    was not in the batch checked in between (the per-row epoch, not a global 'clean')."""
+    from sglang_kvguard.guards import page_generation as pg
+
+    with make_side("decode") as d:
+        table = pg.bind(d.allocator, d.req_to_token_pool)
+        d.scheduler.send_abort_output = lambda obj, req: None
+        a, b = _reserve(d, 2, 83000)
+        assert table.mismatched([a, b]) == []
+        checked = table.stats["checked"]
+        assert table.mismatched([a, b]) == [] and table.mismatched([b]) == []  # no free since: skipped
+        assert table.stats["checked"] == checked and table.stats["skipped"] >= 3
+
+        stolen = _pages(sgl, d, a)[-1]
+        _free_behind_its_back(d, stolen)  # a is not in the next batch
+        assert table.mismatched([b]) == []  # b is checked (an epoch passed) and clean
+        (c,) = _reserve(d, 1, 83010)  # takes the stolen page; no further free
+        assert stolen in _pages(sgl, d, c)
+        assert table.mismatched([a, b, c]) == [0], "a was verified before the free: it must be checked again"
+        assert table.mismatched([a]) == [0], "a mismatch is never remembered as clean"
+        pg.fail_mismatched(d.scheduler, _Batch([a, b, c]), [0], table)
+        for r in (b, c):
+            sgl.release_req_kv(r, d.tree_cache)
