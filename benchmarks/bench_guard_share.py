@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,10 +42,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "server"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 os.environ.setdefault("KVGUARD_AUTO_INSTALL", "0")
 
 from server_tier import CONTEXT_LENGTH, CPU_SHIM_DIR, CPU_SHIM_PLUGIN, DECODE_POOL, STUBS_DIR, VOCAB  # noqa: E402
 
+from _meta import git_commit  # noqa: E402
 from sglang_kvguard.demo.deployment import PDDeployment  # noqa: E402
 from sglang_kvguard.demo.tinymodel import make_tiny_model, prompt_of_tokens  # noqa: E402
 
@@ -138,16 +139,6 @@ def workload(d: PDDeployment, n: int, streams: int, new_tokens: int) -> int:
     return done[0]
 
 
-def _git_commit() -> str:
-    try:
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=REPO, check=True).stdout.strip()
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                              check=True).stdout.strip() + ("+dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trios", type=int, default=2)
@@ -194,7 +185,7 @@ def main() -> None:
             d.stop()
 
     out = {"benchmark": "bench_guard_share", "sglang": version, "machine": platform.machine(),
-           "cpus": os.cpu_count(), "commit": _git_commit(), "trios": a.trios, "runs_per_trio": a.runs,
+           "cpus": os.cpu_count(), "commit": git_commit(), "trios": a.trios, "runs_per_trio": a.runs,
            "requests": a.requests, "streams": a.streams, "new_tokens": a.new_tokens,
            "goal": {"guard_share": 0.01, "ci95_halfwidth": 0.005}, "roles": {}}
     for role, rows in runs.items():

@@ -33,6 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _meta import git_commit  # noqa: E402
+
 MODULES = ("sglang.srt.managers.scheduler", "sglang.srt.disaggregation.mooncake.conn")
 
 CHILD = r"""
@@ -74,16 +77,6 @@ def _run(guarded: bool, cold: bool = False) -> dict:
     return res
 
 
-def _git_commit() -> str:
-    try:
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parents[1], check=True).stdout.strip()
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1], check=True).stdout.strip() + ("+dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=5, help="alternating plain/guarded pairs (one warm-up pair first)")
@@ -107,7 +100,7 @@ def main() -> None:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "modules": list(MODULES),
         "pairs": a.pairs,
         "plain_import_s": med(plain, "total_s"),

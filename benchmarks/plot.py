@@ -64,71 +64,51 @@ def charts(shares, installs, out: Path) -> list:
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    if shares:
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        labels, vals, errs, inside = [], [], [], []
-        for d in shares:
-            for role, r in d["roles"].items():
-                labels.append(f"{d['sglang']}\n{role}")
-                vals.append(r["guard_share"] * 100)
-                errs.append(r["ci95_halfwidth"] * 100)
-                inside.append(r["guard_share_busy_phase"] * 100)
-        x = range(len(labels))
-        ax.bar(x, vals, yerr=errs, capsize=4, color="#c0504d", label="all guard time")
-        ax.bar(x, inside, width=0.4, color="#4f81bd", label="inside busy calls")
-        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="goal 1 %")
-        ax.set_xticks(list(x), labels)
-        ax.set_ylabel("% of scheduler busy time")
-        ax.set_title("kvguard guard share (CPU, tiny Llama, 95 % CI)")
-        ax.legend(fontsize=8)
+
+    def save(fig, ax, name: str, ylabel: str, title: str, legend_size: int = 8, ncol: int = 1) -> None:
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=legend_size, ncol=ncol)
         fig.tight_layout()
-        p = out / "perf-guard-share.png"
-        fig.savefig(p, dpi=110)
+        fig.savefig(out / name, dpi=110)
         plt.close(fig)
-        written.append(p)
+        written.append(out / name)
+
+    if shares:
+        cells = [(d["sglang"], role, r) for d in shares for role, r in d["roles"].items()]
+        labels = [f"{release}\n{role}" for release, role, _ in cells]
+        x = list(range(len(cells)))
+
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        ax.bar(x, [r["guard_share"] * 100 for _, _, r in cells], yerr=[r["ci95_halfwidth"] * 100 for _, _, r in cells],
+               capsize=4, color="#c0504d", label="all guard time")
+        ax.bar(x, [r["guard_share_busy_phase"] * 100 for _, _, r in cells], width=0.4, color="#4f81bd",
+               label="inside busy calls")
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="goal 1 %")
+        ax.set_xticks(x, labels)
+        save(fig, ax, "perf-guard-share.png", "% of scheduler busy time", "kvguard guard share (CPU, tiny Llama, 95 % CI)")
 
         fig, ax = plt.subplots(figsize=(7, 3.6))
         guards = []
-        for d in shares:
-            for r in d["roles"].values():
-                for g, v in r["per_guard"].items():
-                    if v["share"] > 0.001 and g not in guards:
-                        guards.append(g)
-        bottom = [0.0] * len(labels)
-        i = 0
+        for _, _, r in cells:
+            guards += [g for g, v in r["per_guard"].items() if v["share"] > 0.001 and g not in guards]
+        bottom = [0.0] * len(cells)
         for g in guards:
-            col = []
-            for d in shares:
-                for r in d["roles"].values():
-                    col.append(r["per_guard"].get(g, {"share": 0})["share"] * 100)
-            ax.bar(range(len(labels)), col, bottom=bottom, label=g)
+            col = [r["per_guard"].get(g, {"share": 0})["share"] * 100 for _, _, r in cells]
+            ax.bar(x, col, bottom=bottom, label=g)
             bottom = [b + c for b, c in zip(bottom, col)]
-            i += 1
-        ax.set_xticks(list(range(len(labels))), labels)
-        ax.set_ylabel("% of scheduler busy time")
-        ax.set_title("guard share by guard (CPU)")
-        ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        p = out / "perf-guard-breakdown.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        ax.set_xticks(x, labels)
+        save(fig, ax, "perf-guard-breakdown.png", "% of scheduler busy time", "guard share by guard (CPU)",
+             legend_size=6, ncol=2)
     if installs:
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        rel = [d["sglang"] for d in installs]
-        ax.bar(range(len(rel)), [d["extra_s_median"] for d in installs], color="#4f81bd", label="warm cache")
-        ax.scatter(range(len(rel)), [d.get("cold_cache_guarded_import_s", d["guarded_import_s"]) - d["plain_import_s"]
-                                     for d in installs], color="#c0504d", zorder=3, label="first process")
+        x = list(range(len(installs)))
+        ax.bar(x, [d["extra_s_median"] for d in installs], color="#4f81bd", label="warm cache")
+        ax.scatter(x, [d.get("cold_cache_guarded_import_s", d["guarded_import_s"]) - d["plain_import_s"]
+                       for d in installs], color="#c0504d", zorder=3, label="first process")
         ax.axhline(0.5, color="black", linestyle="--", linewidth=1, label="goal 0.5 s")
-        ax.set_xticks(list(range(len(rel))), rel)
-        ax.set_ylabel("seconds beyond SGLang's import")
-        ax.set_title("import + install cost per process (CPU)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        p = out / "perf-install.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        ax.set_xticks(x, [d["sglang"] for d in installs])
+        save(fig, ax, "perf-install.png", "seconds beyond SGLang's import", "import + install cost per process (CPU)")
     return written
 
 

@@ -70,7 +70,7 @@ FLAGS: List[Flag] = [
         "accounting",
         "off",
         "Guard cost accounting: 'on' times every kvguard wrapper (upstream calls excluded) "
-        "and the scheduler's busy time, exported as kvguard_guard_seconds_total{guard} and "
+        "and the scheduler's busy time, exported as kvguard_guard_seconds_total{guard,phase} and "
         "kvguard_scheduler_busy_seconds_total; 'off' (default) adds nothing.",
         choices=("off", "on"),
     ),

@@ -7,7 +7,7 @@ Off by default, and then nothing here runs (no wrapper is added). With
   minus the time of the upstream call it wraps and of any other kvguard wrapper it
   calls directly, is added to its guard's counter. Nested wrappers on one target are
   each charged their own part; the upstream code is charged to nobody;
-* the scheduler's busy time is counted beside it from four upstream calls that do a
+* the scheduler's busy time is counted beside it from five upstream calls that do a
   batch's or a transfer's work in every supported release: ``Scheduler.run_batch`` and
   ``Scheduler.process_batch_result`` always, and the PD transfer steps
   (``process_decode_queue``, ``process_disagg_prefill_inflight_queue``, prefill's
@@ -15,12 +15,13 @@ Off by default, and then nothing here runs (no wrapper is added). With
   entry. The event loop's idle polling is not busy time, so guard work done while
   polling (every iteration) counts against the guards, never for them.
 
-Both are exported as counters, ``kvguard_guard_seconds_total{guard}``,
-``kvguard_guard_calls_total{guard}`` and ``kvguard_scheduler_busy_seconds_total``, flushed
+Both are exported as counters, ``kvguard_guard_seconds_total{guard,phase}``,
+``kvguard_guard_calls_total{guard,phase}``, per wrapped target
+``kvguard_guard_target_seconds_total{guard,target}`` / ``..._calls_total``, and
+``kvguard_scheduler_busy_seconds_total``, flushed
 from per-process sums at most every 0.25 s by the next counted call (so a scrape may lag
-by that much). ``kvguard_guard_seconds_total`` has a ``phase`` label: ``busy`` for guard
-time inside a busy call on the same thread, ``outside`` for the rest (idle polling,
-the tokenizer, transfer threads). Guard
+by that much). ``phase`` is ``busy`` for guard time inside a busy call on the same
+thread, ``outside`` for the rest (idle polling, the tokenizer, transfer threads). Guard
 work done on kvguard's own background threads (notice workers) is outside wrappers and
 not counted; work a wrapper does on a transfer thread is counted.
 """
@@ -249,9 +250,9 @@ def snapshot() -> dict:
         }
 
 
-def _maybe_flush(force: bool = False) -> None:
+def _maybe_flush() -> None:
     now = time.monotonic()
-    if not force and now - _last_flush[0] < FLUSH_EVERY_S:
+    if now - _last_flush[0] < FLUSH_EVERY_S:
         return
     _last_flush[0] = now
     try:

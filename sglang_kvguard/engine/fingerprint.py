@@ -109,7 +109,6 @@ def fingerprint_source(source: str, qualname: str) -> Optional[str]:
 _PARSED: "OrderedDict[str, Tuple[ast.Module, List[str]]]" = OrderedDict()
 _PARSED_MAX = 32
 _FOUND: Dict[str, Dict[str, Optional[str]]] = {}  # content key -> qualname -> fingerprint
-_LOADED: set = set()  # content keys whose disk entry was read
 _lock = threading.Lock()
 
 
@@ -188,18 +187,13 @@ def fingerprint_file(path: str, qualname: str) -> Optional[str]:
     key = hashlib.sha256(FINGERPRINT_SCHEME.encode() + b"\0" + raw).hexdigest()
     with _lock:
         found = _FOUND.get(key)
-        if found is None:
-            found = _FOUND[key] = {}
-        if qualname in found:
-            return found[qualname]
-    if key not in _LOADED:
+    if found is None:  # first time this process sees these bytes: start from the disk cache
         disk = _disk_load(key)
         with _lock:
-            _LOADED.add(key)
-            for q, fp in disk.items():
-                found.setdefault(q, fp)
-            if qualname in found:
-                return found[qualname]
+            found = _FOUND.setdefault(key, disk)
+    with _lock:
+        if qualname in found:
+            return found[qualname]
     tree, lines = _parsed(key, raw)
     fp = _fingerprint_tree(tree, lines, qualname)
     with _lock:

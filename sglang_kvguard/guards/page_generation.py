@@ -112,9 +112,10 @@ class GenerationTable:
         from .. import kernels
 
         if page_ids.numel():
-            self.epoch += 1  # before the bump: a concurrent check never takes the new state for clean
-            kernels.bump_generations(self.gens, page_ids.to(self.gens.device))
+            # first: even a bump that fails part way leaves every row to be checked again
+            # (the allocator, and so this, runs on the scheduler thread only)
             self.epoch += 1
+            kernels.bump_generations(self.gens, page_ids.to(self.gens.device))
             self.stats["bumped"] += int(page_ids.numel())
 
     # -- records
@@ -169,23 +170,17 @@ class GenerationTable:
         rows = self._rows(reqs)
         self.adopt_unrecorded(reqs, rows)
         epoch = self.epoch
-        if epoch % 2 == 0 and all(self.row_epoch.get(row) == epoch for row in rows):
+        if all(self.row_epoch.get(row) == epoch for row in rows):
             self.stats["skipped"] += len(rows)  # no generation changed since each row was verified
             return []
         flags = kernels.batch_generation_mismatch(self.gens, self.req_to_token, self.rec, self.rec_len, rows,
                                                   self.page_size)
         self.stats["checked"] += len(rows)
-        if not bool(flags.any()):
-            if epoch % 2 == 0:
-                for row in rows:
-                    self.row_epoch[row] = epoch
-            return []
-        bad = [i for i, b in enumerate(flags.tolist()) if b]
-        if epoch % 2 == 0:
-            bad_set = set(bad)
-            for i, row in enumerate(rows):
-                if i not in bad_set:
-                    self.row_epoch[row] = epoch
+        bad = [i for i, b in enumerate(flags.tolist()) if b] if bool(flags.any()) else []
+        bad_set = set(bad)
+        for i, row in enumerate(rows):
+            if i not in bad_set:  # a mismatch is never remembered as clean
+                self.row_epoch[row] = epoch
         return bad
 
     def extend(self, reqs, seq_lens) -> None:

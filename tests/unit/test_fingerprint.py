@@ -62,7 +62,6 @@ def test_ambiguous_definition_is_missing():
 
 def _forget(fp_mod):
     fp_mod._FOUND.clear()
-    fp_mod._LOADED.clear()
     fp_mod.release_parse_cache()
 
 

@@ -11,7 +11,7 @@ from sglang_kvguard import guard_cost as gc
 def clock(monkeypatch):
     t = [0]
     monkeypatch.setattr(gc, "_now", lambda: t[0])
-    monkeypatch.setattr(gc, "_maybe_flush", lambda force=False: None)
+    monkeypatch.setattr(gc, "_maybe_flush", lambda: None)
     gc.reset_for_tests()
     yield t
     gc.reset_for_tests()
