@@ -11,7 +11,10 @@ decode step costs kvguard, side by side in one run:
 * ``check``: the batch check before the forward (``GenerationTable.mismatched``: one
   ``batch_generation_mismatch`` kernel plus one host sync for the verdict);
 * ``extend``: recording the step's new pages after the batch is built
-  (``GenerationTable.extend``: one ``record_generations`` kernel, no sync);
+  (``GenerationTable.extend``: one ``record_generations`` kernel, no sync), for a step
+  in which about ``B / page_size`` rows grew into a new page; ``extend_no_crossing``:
+  a step in which no row did (the kernel is skipped on CPU, where the lengths are read
+  without a device sync);
 * ``free_bump``: one request's release (``L / 16`` pages) through the allocator's real
   free, guarded minus unguarded (the generation bump at the sink).
 
@@ -85,7 +88,22 @@ def main() -> None:
             seq_lens = torch.full((b,), ctx, dtype=torch.int64, device=r2t.req_to_token.device)
 
             check = _per_call(lambda: table.mismatched(reqs), args.reps, sync)
-            extend = _per_call(lambda: table.extend(reqs, seq_lens), args.reps, sync)
+            # A request grows into a new page once every page_size steps; with requests at
+            # spread-out lengths about batch / page_size rows cross a page per step. Each
+            # call first takes one such group of rows back by one recorded page (included
+            # in the figure), so that the step records it again.
+            rows_t = torch.arange(1, b + 1, dtype=torch.int64, device=r2t.req_to_token.device)
+            groups = [g for g in (rows_t[k::ps] for k in range(ps)) if g.numel()]
+            turn = [0]
+
+            def step():
+                g = groups[turn[0] % len(groups)]
+                turn[0] += 1
+                table.rec_len[g] -= 1
+                table.extend(reqs, seq_lens)
+
+            extend = _per_call(step, args.reps, sync)
+            extend_none = _per_call(lambda: table.extend(reqs, seq_lens), args.reps, sync)
             assert table.mismatched(reqs) == []
 
             # release cost at the sink: one request's pages, guarded vs unguarded
@@ -109,6 +127,7 @@ def main() -> None:
             results.append({
                 "batch": b, "context": ctx, "pages_per_req": pages_per_req,
                 "check_us": round(check * 1e6, 1), "extend_us": round(extend * 1e6, 1),
+                "extend_no_crossing_us": round(extend_none * 1e6, 1),
                 "per_step_us": round((check + extend) * 1e6, 1),
                 "free_plus_alloc_us": {"unguarded": round(free_plain * 1e6, 1),
                                        "guarded": round(free_tagged * 1e6, 1)},

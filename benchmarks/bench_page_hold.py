@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("KVGUARD_AUTO_INSTALL", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "component"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _meta import git_commit  # noqa: E402
 
 
 def _per_call(fn, reps):
@@ -40,7 +43,8 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=64, help="pages per request")
     ap.add_argument("--pinned", type=int, default=4096, help="pages pinned by other transfers")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--reps", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
     import torch
@@ -60,26 +64,37 @@ def main() -> None:
         def cycle():
             alloc.free(alloc.alloc(args.pages * ps))
 
-        out = {"sglang": str(sgl.SGLANG_VERSION), "pages_per_free": args.pages, "page_size": ps}
-        out["unguarded_us"] = _per_call(cycle, args.reps) * 1e6
-        sglang_kvguard.install()
-        try:
-            hold = g.bind_allocator(alloc)
-            out["guarded_idle_us"] = _per_call(cycle, args.reps) * 1e6
-            others = alloc.alloc(args.pinned * ps)
-            pinned = sorted({int(t) // ps for t in others.tolist()})
-            hold.pin(pinned)
-            out["guarded_busy_us"] = _per_call(cycle, args.reps) * 1e6
-            out["pinned_pages"] = len(pinned)
-            chunk = list(range(1, args.pages + 1))
-            out["pin_unpin_us"] = _per_call(lambda: (hold.pin(chunk), hold.unpin(chunk)), args.reps) * 1e6
-            hold.unpin(pinned)
-            alloc.free(others)
-        finally:
-            sglang_kvguard.uninstall()
-            HOLDS.clear()
+        out = {"benchmark": "bench_page_hold", "sglang": str(sgl.SGLANG_VERSION), "commit": git_commit(),
+               "cpus": os.cpu_count(), "pages_per_free": args.pages, "page_size": ps,
+               "rounds": args.rounds}
+        others = alloc.alloc(args.pinned * ps)
+        pinned = sorted({int(t) // ps for t in others.tolist()})
+        chunk = list(range(1, args.pages + 1))
+        samples = {"unguarded_us": [], "guarded_idle_us": [], "guarded_busy_us": [], "pin_unpin_us": []}
+        # Interleaved rounds (plain, then guarded idle and busy, on one allocator) so that
+        # drift of the machine lands on both sides; medians reported.
+        for _ in range(args.rounds):
+            samples["unguarded_us"].append(_per_call(cycle, args.reps) * 1e6)
+            sglang_kvguard.install()
+            try:
+                hold = g.bind_allocator(alloc)
+                samples["guarded_idle_us"].append(_per_call(cycle, args.reps) * 1e6)
+                hold.pin(pinned)
+                samples["guarded_busy_us"].append(_per_call(cycle, args.reps) * 1e6)
+                samples["pin_unpin_us"].append(
+                    _per_call(lambda: (hold.pin(chunk), hold.unpin(chunk)), args.reps) * 1e6)
+                hold.unpin(pinned)
+            finally:
+                sglang_kvguard.uninstall()
+                HOLDS.clear()
+        alloc.free(others)
+        for k, v in samples.items():
+            out[k] = statistics.median(v)
+        out["pinned_pages"] = len(pinned)
     out["overhead_idle"] = out["guarded_idle_us"] / out["unguarded_us"] - 1
     out["overhead_busy"] = out["guarded_busy_us"] / out["unguarded_us"] - 1
+    out["overhead_busy_per_round"] = [round(b / u - 1, 3) for b, u in
+                                      zip(samples["guarded_busy_us"], samples["unguarded_us"])]
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}))
 
 

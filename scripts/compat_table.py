@@ -101,8 +101,10 @@ def pool_table() -> str:
         "otherwise than recorded here (`docs/pool-coverage/`). `covered`: every listed",
         "component is covered by every page guard of the role; `refused`: the component and",
         "the page guards that miss it (the node refuses to start while they are active).",
-        f"Recorded on: {', '.join(r for r, _ in recs)}; other releases are exercised by the",
-        "rotating component tier.",
+        f"Recorded on: {', '.join(r for r, _ in recs)}. CI checks 0.5.10, 0.5.19 and 0.5.23 on",
+        "every run and one more release per commit (the rotating component tier).",
+        "HiSparse decode and prefill nodes are built in `tests/component/test_hisparse_refusal.py`",
+        "(refused on every release: see `docs/guards/hybrid_pool_check.md`).",
         "",
     ]
     for release, pools in recs:

@@ -45,6 +45,7 @@ class PageHold:
         self._quarantined: set = set()
         self._allocator_ref = None
         self.page_size = 1
+        self.page_shift: Optional[int] = 0
         # True where the caller reports quarantine per room (decode_destination_hold):
         # the per-page report then goes to INFO instead of a second ERROR line.
         self.rooms_report = False
@@ -54,6 +55,9 @@ class PageHold:
     def bind(self, allocator) -> None:
         self._allocator_ref = weakref.ref(allocator)
         self.page_size = int(getattr(allocator, "page_size", 1) or 1)
+        ps = self.page_size
+        # token -> page by shift where the page size is a power of two (cheaper than //)
+        self.page_shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else None
 
     def owns(self, allocator) -> bool:
         ref = self._allocator_ref
@@ -87,6 +91,14 @@ class PageHold:
                 if n < 0:
                     log.error("kvguard page hold (%s): page %d unpinned more often than pinned", self.role, p)
 
+    def touches_pinned(self, pages) -> bool:
+        """Whether a tensor of page ids (repeats allowed) holds a pinned page."""
+        if not self._pins:
+            return False
+        ids = pages.tolist()
+        with self._lock:
+            return not self._pins.keys().isdisjoint(ids)
+
     def pinned(self, page: int) -> bool:
         with self._lock:
             return int(page) in self._pins
@@ -101,21 +113,19 @@ class PageHold:
         Returns ``pages`` itself when none is pinned (no copy)."""
         if not self._pins:
             return pages
-        import torch
-
+        ids = pages.tolist()
         with self._lock:
-            if not self._pins:
+            if self._pins.keys().isdisjoint(ids):  # C-level: the common busy case
                 return pages
-            ids = pages.tolist()
             keep = [p for p in ids if p in self._pins]
-            if not keep:
-                return pages
             now = time.monotonic()
             for p in keep:
                 self._held.setdefault(p, now)
             self.stats["diverted"] += len(keep)
         if len(keep) == len(ids):
             return pages[:0]
+        import torch
+
         kept = set(keep)
         mask = torch.tensor([p not in kept for p in ids], dtype=torch.bool, device=pages.device)
         return pages[mask]

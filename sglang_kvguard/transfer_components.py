@@ -291,10 +291,20 @@ def describe(kv_args, kv_pool, draft_pool=None) -> List[Component]:
                     for b in getattr(kv_pool, attr, None) or () if hasattr(b, "data_ptr") and _empty(b)}
     page_state = {"dsa": ("indexer", "the indexer's keys"), "nsa": ("indexer", "the indexer's keys"),
                   "block_scale": ("block_scale", "the KV's MXFP8 block scales")}
+    # No registered KV buffer is the pool's own: the KV goes to another pool (HiSparse's
+    # host pool on decode), so the page ids a reservation carries are that pool's.
+    kv_elsewhere = bool(unplaced) and not target
     for name, ptrs in _state_groups(kv_args):
         live = [p for p in ptrs if p not in placeholders]
         group, what = page_state.get(name, (None, None))
         mine = group_ptrs(groups, group) if group else []
+        if mine and set(live) == set(mine) and kv_elsewhere:
+            why = (f"the KV this node transfers is registered from another pool ({len(unplaced)} buffer(s), e.g. "
+                   f"HiSparse's host pool), so the page ids its transfers carry are that pool's: kvguard would "
+                   f"stamp, digest, tag and hold {what} at ids that are not the rows written")
+            # the deferred release holds the whole request, whose own pages carry these rows
+            comps.append(Component(f"state:{name}", len(live), {g: why for g in ALL_PAGE_GUARDS if g != DEFERRED}))
+            continue
         if mine and set(live) == set(mine):
             comps.append(Component(f"state:{name}", len(live),
                                    note=f"{what} at the KV page ids: stamped, digested, held at both ends and "

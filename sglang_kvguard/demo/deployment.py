@@ -134,6 +134,9 @@ def http_request(
 
 # ----------------------------------------------------------------------------- ports
 
+# Every port a deployment uses, all picked by free_ports() at start.
+_PORT_NAMES = ("prefill", "decode", "router", "bootstrap", "router_metrics", "prefill_nccl", "decode_nccl")
+
 
 def _ephemeral_range() -> Tuple[int, int]:
     try:
@@ -451,11 +454,18 @@ class PDDeployment:
             "--disable-overlap-schedule",
             "--log-level", "info",
         ]
+        extra = list(self.prefill_extra_args if role == "prefill" else self.decode_extra_args)
+        if "--nccl-port" not in extra:
+            # Before 0.5.23 SGLang picks its torch.distributed rendezvous port with
+            # bind(0), i.e. inside the ephemeral range, and binds it seconds later;
+            # a socket of the other server can take it meanwhile (EADDRINUSE in
+            # TCPStore, the scheduler dies at start-up). Pick it here, below the range.
+            argv += ["--nccl-port", str(self.ports[f"{role}_nccl"])]
         if self.context_length is not None:
             argv += ["--context-length", str(self.context_length)]
         if role == "decode" and rel.has_retraction_backup:
             argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
-        argv += list(self.prefill_extra_args if role == "prefill" else self.decode_extra_args)
+        argv += extra
         return argv
 
     def _router_argv(self) -> List[str]:
@@ -529,8 +539,8 @@ class PDDeployment:
         self.release = probe_release(self.python)
         if not self.release.has_router:
             raise DeploymentError(f"sglang_router is not installed for {self.python}")
-        p = free_ports(5, self.host)
-        self.ports = dict(zip(("prefill", "decode", "router", "bootstrap", "router_metrics"), p))
+        p = free_ports(len(_PORT_NAMES), self.host)
+        self.ports = dict(zip(_PORT_NAMES, p))
         _live.add(self)
         self._start_sampler()
         for role in ("prefill", "decode"):

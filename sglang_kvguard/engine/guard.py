@@ -47,6 +47,10 @@ class Guard:
     protects: ClassVar[str] = ""
     #: every upstream target this guard may wrap or check
     targets: ClassVar[Tuple[Target, ...]] = ()
+    #: may be switched off in a process after install (engine/suspension.py): each of its
+    #: wrappers then passes straight through (the page guards, which a start-up check
+    #: can find aimed at a pool they do not cover)
+    suspendable: ClassVar[bool] = False
 
     def decide(self, ctx: "Context") -> Decision:
         """Default: all declared targets present and recognised -> active."""

@@ -24,6 +24,7 @@ from packaging.version import InvalidVersion, Version
 from .. import __version__
 from ..config import Config
 from . import manifest as manifest_mod
+from . import suspension
 from .fingerprint import fingerprint_file, release_parse_cache
 from .guard import ACTIVE, OFF, REFUSED, Decision, Guard, TargetRefused
 from .manifest import Located, Manifest
@@ -295,6 +296,7 @@ def install(config: Optional[Config] = None, *, banner: bool = True) -> Report:
         if report.refused:
             log.warning(report.refusal_message())
         patcher = Patcher()
+        suspension.reset()
         _state.update(report=report, patcher=patcher, ctx=ctx, config=config)
         _state["generation"] = int(_state["generation"]) + 1  # type: ignore[arg-type]
         generation = _state["generation"]
@@ -310,6 +312,8 @@ def install(config: Optional[Config] = None, *, banner: bool = True) -> Report:
             for key in gr.patches:
                 if key in factories:
                     factory = guard_cost.accounted(gr.name, factories[key], key) if accounting else factories[key]
+                    if getattr(guard, "suspendable", False):
+                        factory = suspension.suspendable(gr.name, factory)
                     _hook(patcher, generation, ctx, key, gr.name, factory)
             guard.on_installed(ctx)
         if accounting:
@@ -361,6 +365,7 @@ def uninstall() -> int:
     with _lock:
         patcher = _state.get("patcher")
         n = patcher.revert_all() if patcher is not None else 0  # type: ignore[union-attr]
+        suspension.reset()
         _state.update(report=None, patcher=None, ctx=None)
         _state["generation"] = int(_state["generation"]) + 1  # type: ignore[arg-type]
         return n

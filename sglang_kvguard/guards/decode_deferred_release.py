@@ -263,6 +263,7 @@ def _resolve(quarantine_after: float) -> Callable[[Callable], Callable]:
 
 class DecodeDeferredReleaseGuard(Guard):
     name = "decode_deferred_release"
+    suspendable = True  # hybrid_pool_check may switch it off on a node it cannot cover (warn)
     protects = ("decode pages of a failed or aborted transfer stay held until every prefill rank has drained, "
                 "quarantined instead of released blind (0.5.21+)")
     targets = (DEFER, RESOLVE)

@@ -472,6 +472,7 @@ def _scheduler_init(quarantine_after: float) -> Callable[[Callable], Callable]:
 
 class DecodeDestinationHoldGuard(Guard):
     name = "decode_destination_hold"
+    suspendable = True  # hybrid_pool_check may switch it off on a node it cannot cover (warn)
     protects = ("decode pages and metadata rows of a failed or aborted transfer are never reused while a prefill "
                 "rank may still write them (0.5.10-0.5.20; prefill answers drain requests on every release)")
     # The metadata-row free (ReqToMetadataIdxAllocator.free) is wrapped once, by prefill_source_hold, which

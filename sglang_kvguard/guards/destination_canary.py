@@ -128,6 +128,7 @@ def _commit(original: Callable) -> Callable:
 
 class DestinationCanaryGuard(Guard):
     name = "destination_canary"
+    suspendable = True  # hybrid_pool_check may switch it off on a node it cannot cover (warn)
     protects = "decode never commits a transfer that left a reserved page unwritten"
     targets = (POP_PREALLOCATED, RESERVE, RESERVE_FAKE, COMMIT)
 

@@ -18,7 +18,9 @@ guards cover:
 
 * ``refuse`` (default): the scheduler stops with a message naming the pool, each
   guard that would not cover it and why, and the two ways to go on;
-* ``warn``: log the same and serve (those guards then protect nothing on this pool).
+* ``warn``: log the same and serve with those guards suspended in this scheduler
+  process (engine/suspension.py: their wrappers pass straight through to SGLang; a
+  guard aimed at a pool it does not cover could otherwise write into it).
 
 Switching the named guards off (``--kvguard-disable``) also lets the node start; the
 banner and metrics then say ``off`` for them. Non-PD nodes are not checked (the page
@@ -43,7 +45,7 @@ register_flag(
         "refuse",
         "What a prefill/decode node does when its KV pool is one kvguard's page guards do not "
         "cover (hybrid SWA / Mamba / hisparse / interleaved pools): 'refuse' (default) stops the "
-        "node, 'warn' logs and serves without those guards' protection on this pool.",
+        "node, 'warn' logs and serves with those guards suspended on this node (not run at all).",
         choices=POLICIES,
     )
 )
@@ -91,6 +93,47 @@ def pool_gaps(allocator, req_to_token_pool) -> List[Tuple[str, str]]:
     return gaps
 
 
+# Releases whose deferred release of a failed decode transfer keeps a HiSparse
+# request's host pages (the KV destination) until the deferral ends: there
+# DecodeTransferQueue._release_request, which the deferred path calls, frees them
+# (hisparse_coordinator.request_finished). Read in the wheels: 0.5.21 and 0.5.22 free
+# them in pop_transferred's failure branch BEFORE deciding to defer, so the hold keeps
+# the logical pages while a late prefill write lands in host pages already free. A
+# release not listed here (older or newer) is not trusted with it.
+HISPARSE_HOST_PAGES_DEFERRED = ("0.5.23",)
+
+
+def is_hisparse(allocator) -> bool:
+    return "HiSparse" in type(allocator).__name__ or hasattr(allocator, "hisparse_attn_allocator")
+
+
+def hisparse_gaps(role: str, comps, release: Optional[str]):
+    """What a HiSparse allocator takes from the page guards' coverage, beyond its own
+    allocator gap:
+
+    * every KV component: HiSparse maps the logical page ids a transfer carries onto
+      device slots (``full_to_hisparse_device_index_mapping``), so stamping or digesting
+      the pool at those ids reads other rows (upstream runs HiSparse on decode only, but
+      does not stop a prefill started with it);
+    * decode: the host pool's KV (``kv_unplaced``) is not kept by decode_deferred_release
+      unless the release's deferral keeps the host pages (HISPARSE_HOST_PAGES_DEFERRED).
+    """
+    from ..transfer_components import CANARY, CHECKSUM, DEFERRED
+
+    mapped = ("HiSparse maps the logical page ids a transfer carries onto device slots, so the pool's rows at "
+              "those ids are not the ones written or sent")
+    deferred = (f"HiSparse decode: SGLang {release or '?'} frees a failed transfer's host pages (where the KV "
+                "lands) before its deferred release starts (DecodeTransferQueue.pop_transferred), so holding the "
+                "request does not keep them")
+    for c in comps:
+        if c.name in ("kv", "draft_kv"):
+            c.gaps.setdefault(CANARY, mapped)
+            c.gaps.setdefault(CHECKSUM, mapped)
+        if role == "decode" and c.name == "kv_unplaced" and release not in HISPARSE_HOST_PAGES_DEFERRED:
+            c.gaps.setdefault(DEFERRED, deferred)
+    return comps
+
+
 def active_guards() -> Optional[set]:
     """Names of the installed guards that are active; None before kvguard is installed."""
     from ..engine.runtime import installed_report
@@ -99,9 +142,11 @@ def active_guards() -> Optional[set]:
     report = installed_report()
     if report is None:
         return None
+    from ..engine import suspension
+
     out = set()
     for g in report.guards:
-        if g.state != ACTIVE:
+        if g.state != ACTIVE or suspension.is_suspended(g.name):
             continue
         if g.name == "decode_destination_hold" and SEND_METADATA.key not in g.patches:
             continue  # 0.5.21+: it only answers drain requests on prefill; decode's hold is upstream's
@@ -146,6 +191,10 @@ def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Op
                 hit.setdefault(guard, []).append(why)
     elif kv_args is not _NO_KV_ARGS:
         comps = transfer_components.describe(kv_args, kv, draft_pool)
+        if is_hisparse(allocator):
+            from ..engine.runtime import sglang_release
+
+            comps = hisparse_gaps(role, comps, sglang_release())
         for guard, whys in transfer_components.gaps_for(role, comps, active).items():
             hit.setdefault(guard, []).extend(whys)
         transfer_components.record_metrics(role, comps, active)
@@ -163,7 +212,7 @@ def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Op
         f"it:\n" + "\n".join(lines) + "\n"
         f"kvguard covers the per-layer KV pages of MHA/MLA pools with SGLang's plain token or paged allocator"
         f"{moved}. To serve this model anyway, switch those guards off (--kvguard-disable {','.join(names)}; "
-        f"reported 'off') or accept the gap with --kvguard-hybrid-pool=warn."
+        f"reported 'off') or accept the gap with --kvguard-hybrid-pool=warn (they are then suspended on this node)."
     )
     outcome = "refuse" if policy == "refuse" else "warn"
     metrics.count("hybrid_pool_check", outcome=outcome, role=role)
@@ -171,6 +220,15 @@ def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Op
         log.error(msg)
         raise HybridPoolUnguarded(msg)
     log.warning(msg)
+    # Accepted with warn: the named guards do not run on this node at all (aimed at a pool
+    # they do not cover, their wrappers could write into it, e.g. canaries stamped at
+    # HiSparse host page ids into the device pool).
+    from ..engine import suspension
+
+    for guard in sorted(suspension.suspend(names)):
+        metrics.count("guard_suspended", guard=guard, role=role)
+    log.warning("kvguard hybrid pool check: suspended on this %s node (each call goes straight to SGLang): %s",
+                role, ", ".join(names))
     return outcome
 
 

@@ -96,7 +96,8 @@ class GenerationTable:
         self.width = -(-int(tokens) // self.page_size)
         self.rec = torch.zeros(int(rows), self.width, dtype=torch.int32, device=device)
         self.rec_len = torch.zeros(int(rows), dtype=torch.int32, device=device)
-        self.stats = {"bumped": 0, "recorded": 0, "checked": 0, "skipped": 0, "mismatches": 0, "first_seen": 0}
+        self.stats = {"bumped": 0, "recorded": 0, "checked": 0, "skipped": 0, "mismatches": 0, "first_seen": 0,
+                      "extend_skipped": 0}
         # Every free that changes a generation advances the epoch. A row verified clean (or
         # recorded whole) at the current epoch cannot have a mismatch yet: no generation
         # changed since, so the batch check skips its kernel when every row of the batch
@@ -195,6 +196,12 @@ class GenerationTable:
         ends = torch.div(seq_lens.to(device=idx.device, dtype=torch.int64) + self.page_size - 1, self.page_size,
                          rounding_mode="floor")
         starts = self.rec_len.index_select(0, idx).to(torch.int64)
+        if idx.device.type == "cpu" and not bool((ends > starts).any()):
+            # No row grew into a new page (15 steps in 16 for one request at page 16): the
+            # kernel would record empty ranges. Only where reading the lengths costs no
+            # device sync; rows that did not grow cost the kernel nothing either way.
+            self.stats["extend_skipped"] += 1
+            return
         kernels.record_generations(self.gens, self.req_to_token, self.rec, self.rec_len, idx, starts,
                                    torch.maximum(starts, ends), self.page_size)
 
@@ -517,6 +524,7 @@ def _scheduler_init(original: Callable) -> Callable:
 
 class PageGenerationGuard(Guard):
     name = "page_generation"
+    suspendable = True  # hybrid_pool_check may switch it off on a node it cannot cover (warn)
     protects = "decode never reads a KV page that was freed or handed to another request after it recorded it"
     targets = (SCHEDULER_INIT, PAGED_FREE, PAGED_RELEASE, TOKEN_FREE, PRE_ALLOC, PROCESS_PREBUILT,
                UPDATE_RUNNING_BATCH)

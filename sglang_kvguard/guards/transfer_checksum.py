@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional
 from .. import transfer_components
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
+from ._row import read_cols, row_view
 from .destination_canary import POP_PREALLOCATED, _current, _draft_pool_of, _pool_of, _pop_preallocated
 from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, _is_fake, fail_closed, landed_room, unverified
 
@@ -68,18 +69,19 @@ def digest(pool, pages: List[int], room: int, draft_pool=None) -> int:
 
 
 def publish(row, total: int, n_pages: int) -> None:
-    row[COL_MARKER] = 0
-    lo, hi = split(total)
-    row[COL_LO] = lo
-    row[COL_HI] = hi
-    row[COL_PAGES] = int(n_pages)
-    row[COL_MARKER] = MARKER
+    """The marker is cleared first and written last."""
+    view = row_view(row)
+    view[COL_MARKER] = 0
+    view[COL_LO], view[COL_HI] = split(total)
+    view[COL_PAGES] = int(n_pages)
+    view[COL_MARKER] = MARKER
 
 
 def published(row):
-    if int(row[COL_MARKER]) != MARKER:
+    lo, hi, marker, pages = read_cols(row, COL_LO, COL_PAGES + 1)  # one read of the four columns
+    if marker != MARKER:
         return None
-    return join(row[COL_LO], row[COL_HI]), int(row[COL_PAGES])
+    return join(lo, hi), pages
 
 
 def _req_pool_idx(req):
@@ -180,6 +182,7 @@ def _commit(unverified_policy: str) -> Callable[[Callable], Callable]:
 
 class TransferChecksumGuard(Guard):
     name = "transfer_checksum"
+    suspendable = True  # hybrid_pool_check may switch it off on a node it cannot cover (warn)
     protects = "decode never commits KV whose digest (bound to room and page position) differs from prefill's"
     targets = (SEND_CHUNK, POP_PREALLOCATED, RESERVE, RESERVE_FAKE, COMMIT)
 

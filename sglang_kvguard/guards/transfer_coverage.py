@@ -41,6 +41,7 @@ from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from . import _faults
+from ._row import read_cols, row_view
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -90,18 +91,21 @@ class CoverageMismatch(Exception):
 
 
 def publish(row, tokens: int, pages: int) -> None:
-    """Write kvguard's coverage into one ``cached_tokens`` row (prefill)."""
-    row[COL_MARKER] = 0
-    row[COL_TOKENS] = int(tokens)
-    row[COL_PAGES] = int(pages)
-    row[COL_MARKER] = MARKER
+    """Write kvguard's coverage into one ``cached_tokens`` row (prefill): the marker is
+    cleared first and written last, so a half-written row never looks published."""
+    view = row_view(row)
+    view[COL_MARKER] = 0
+    view[COL_TOKENS] = int(tokens)
+    view[COL_PAGES] = int(pages)
+    view[COL_MARKER] = MARKER
 
 
 def published(row) -> Optional[Tuple[int, int]]:
-    """(tokens, pages) prefill published in ``row``, or None."""
-    if int(row[COL_MARKER]) != MARKER:
+    """(tokens, pages) prefill published in ``row``, or None (one read of the columns)."""
+    tokens, pages, marker = read_cols(row, COL_TOKENS, COL_MARKER + 1)
+    if marker != MARKER:
         return None
-    return int(row[COL_TOKENS]), int(row[COL_PAGES])
+    return tokens, pages
 
 
 def _set_buf(original: Callable) -> Callable:

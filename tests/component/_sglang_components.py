@@ -875,3 +875,178 @@ def snapshot(side: "PDSide") -> dict:
         "evictable": side.tree_cache.evictable_size(),
         "protected": side.tree_cache.protected_size(),
     }
+
+
+# --------------------------------------------------------------------------------
+# HiSparse (--enable-hisparse: DSA decode whose full KV lives in a host pool)
+# --------------------------------------------------------------------------------
+def hisparse_classes():
+    """``(device pool, allocator, coordinator)`` classes of this release's HiSparse
+    (``HiSparseDSATokenToKVPool``, ``HiSparseNSATokenToKVPool`` before the DSA rename;
+    the allocator lived in ``hisparse_memory_pool`` before ``mem_cache/allocator/``),
+    or None when the release has no HiSparse."""
+    import importlib.util
+
+    def has(module):
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent that is a module, not a package (allocator.py, 0.5.10-0.5.12)
+            return False
+
+    if not (has("sglang.srt.mem_cache.hisparse_memory_pool") and has("sglang.srt.managers.hisparse_coordinator")):
+        return None
+    from sglang.srt.mem_cache import hisparse_memory_pool as hmp  # other import errors are loud
+    from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator
+    pool = getattr(hmp, "HiSparseDSATokenToKVPool", None) or getattr(hmp, "HiSparseNSATokenToKVPool", None)
+    if has("sglang.srt.mem_cache.allocator.hisparse"):
+        from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator as alloc
+    else:  # before mem_cache/allocator/hisparse.py
+        alloc = getattr(hmp, "HiSparseTokenToKVPoolAllocator", None)
+    if pool is None or alloc is None:
+        return None
+    return pool, alloc, HiSparseCoordinator
+
+
+def make_hisparse_dsa_pool(size: int, page_size: int, layers: int = 2, host_to_device_ratio: int = 2,
+                           dtype=torch.bfloat16):
+    """Real HiSparse DSA device pool: ``size`` device token slots (the hot buffer) plus
+    an indexer sized for the logical space (``size * host_to_device_ratio``)."""
+    pool_cls = hisparse_classes()[0]
+    return call_supported(
+        pool_cls, size=size, page_size=page_size, dtype=dtype, kv_lora_rank=MLA_KV_LORA_RANK,
+        qk_rope_head_dim=MLA_ROPE_DIM, layer_num=layers, device=DEVICE, index_head_dim=DSA_INDEX_HEAD_DIM,
+        enable_memory_saver=False, kv_cache_dim=MLA_KV_LORA_RANK + MLA_ROPE_DIM, start_layer=0,
+        end_layer=layers - 1, host_to_device_ratio=host_to_device_ratio,
+    )
+
+
+def make_hisparse_allocator(size: int, page_size: int, kv_pool, host_to_device_ratio: int = 2):
+    """Real ``HiSparseTokenToKVPoolAllocator`` (logical space ``size * ratio``, device ``size``)."""
+    alloc_cls = hisparse_classes()[1]
+    return call_supported(
+        alloc_cls, size=size, page_size=page_size, dtype=kv_pool.dtype, device=DEVICE, kvcache=kv_pool,
+        need_sort=False, host_to_device_ratio=host_to_device_ratio,
+    )
+
+
+class _CudartStandIn:
+    """Answers ``torch.cuda.cudart()``'s host-registration calls on a CPU-only torch."""
+
+    def __init__(self):
+        self.registered: List[tuple] = []
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's name
+        self.registered.append((int(ptr), int(size)))
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        return 0
+
+    def cudaGetErrorString(self, rc):  # noqa: N802
+        return "cudaSuccess"
+
+
+@contextlib.contextmanager
+def cpu_host_register() -> Iterator[_CudartStandIn]:
+    """The one CUDA call on the way to a HiSparse host pool: its buffer is allocated
+    in ordinary host memory (``HostTensorAllocator.allocate``), then page-locked for
+    DMA with ``torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)``
+    (``alloc_with_host_register``; ``pool_host/common.py`` 0.5.14+, ``memory_pool_host.py``
+    before), which a CPU-only torch refuses ("Torch not compiled with CUDA enabled").
+    Inside this block ``torch.cuda.cudart()`` returns a stand-in that records each
+    (pointer, bytes) range and reports success; nothing else is replaced, and the
+    buffer and its pointer are the ones upstream allocated."""
+    stand_in = _CudartStandIn()
+    saved = torch.cuda.cudart
+    torch.cuda.cudart = lambda: stand_in
+    try:
+        yield stand_in
+    finally:
+        torch.cuda.cudart = saved
+
+
+def make_hisparse_coordinator(req_to_token_pool, allocator, *, top_k: int = 64, device_buffer_size: int = 128,
+                              host_to_device_ratio: int = 2):
+    """SGLang's real ``HiSparseCoordinator`` (which builds the host pool the decode node
+    registers for transfers, ``mem_pool_host``), as ``ModelRunner.maybe_init_hisparse_coordinator``
+    calls it; returns ``(coordinator, cudart stand-in)`` (see ``cpu_host_register``)."""
+    coord_cls = hisparse_classes()[2]
+    with cpu_host_register() as cudart:
+        coordinator = call_supported(
+            coord_cls, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, top_k=top_k,
+            device_buffer_size=device_buffer_size, device=DEVICE, tp_group=gloo_group(),
+            host_to_device_ratio=host_to_device_ratio,
+        )
+    return coordinator, cudart
+
+
+def make_hisparse_side(
+    mode: str,
+    *,
+    server_args,
+    page_size: int = 64,
+    num_tokens: int = 256,
+    max_reqs: int = 8,
+    context_len: int = 2048,
+    host_to_device_ratio: int = 2,
+    shape: TinyModelShape = TinyModelShape(),
+) -> PDSide:
+    """One PD role built as ``--enable-hisparse`` builds it (``KVCacheConfigurator``: HiSparse
+    DSA device pool of ``num_tokens`` slots + ``HiSparseTokenToKVPoolAllocator`` over a
+    logical space ``host_to_device_ratio`` times larger; ``ModelRunner``: the
+    ``HiSparseCoordinator`` with its host pool; the scheduler's ``enable_hisparse`` and
+    ``hisparse_coordinator``), with the role's real PD queue, whose ``_init_kv_manager``
+    registers what this release registers. Must run inside ``sglang_config(...)``.
+    The coordinator is on ``side.hisparse_coordinator``, the cudart stand-in's record of
+    host-registered ranges on ``side.host_registrations``."""
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    assert mode in ("prefill", "decode")
+    r2t = make_req_to_token_pool(max_reqs, context_len, decode_pre_alloc=max_reqs if mode == "decode" else None)
+    kv_pool = make_hisparse_dsa_pool(num_tokens, page_size, layers=shape.num_layers,
+                                     host_to_device_ratio=host_to_device_ratio)
+    allocator = make_hisparse_allocator(num_tokens, page_size, kv_pool, host_to_device_ratio)
+    coordinator, cudart = make_hisparse_coordinator(r2t, allocator, host_to_device_ratio=host_to_device_ratio)
+    # --enable-hisparse requires --disable-radix-cache (validate_hisparse)
+    tree_cache = make_radix_cache(r2t, allocator, page_size, disable=True)
+    buffers, md_alloc = make_metadata_buffers(max_reqs * 2)
+    # HiSparse admits up to the host-backed logical capacity (``size``; ``_size_full`` on 0.5.10-0.5.13)
+    max_total = int(getattr(allocator, "size", None) or allocator._size_full)
+    side_kwargs = dict(req_to_token_pool=r2t, allocator=allocator, tree_cache=tree_cache, page_size=page_size,
+                       max_total_num_tokens=max_total)
+    scheduler = _make_scheduler(side_kwargs, shape, context_len, server_args)
+    scheduler.enable_hisparse = True
+    scheduler.hisparse_coordinator = coordinator
+    scheduler.tp_worker.model_runner.hisparse_coordinator = coordinator
+    side = PDSide(
+        mode=mode, page_size=page_size, req_to_token_pool=r2t, kv_pool=kv_pool, allocator=allocator,
+        tree_cache=tree_cache, metadata_buffers=buffers, metadata_allocator=md_alloc, scheduler=scheduler,
+        server_args=server_args,
+    )
+    side.hisparse_coordinator = coordinator
+    side.host_registrations = cudart.registered
+    common = dict(
+        req_to_metadata_buffer_idx_allocator=md_alloc, metadata_buffers=buffers, tp_rank=0, tp_size=1, dp_size=1,
+        gpu_id=0, pp_rank=0, pp_size=1, bootstrap_port=8998, gloo_group=gloo_group(), max_total_num_tokens=max_total,
+        scheduler=scheduler, transfer_backend=TransferBackend.FAKE, draft_token_to_kv_pool=None,
+    )
+    if mode == "prefill":
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+        metrics = None
+        if "scheduler_stage_metrics" in inspect.signature(PrefillBootstrapQueue.__init__).parameters:
+            metrics = _stage_metrics()
+        side.bootstrap_queue = call_supported(PrefillBootstrapQueue, token_to_kv_pool=kv_pool,
+                                              scheduler_stage_metrics=metrics, **common)
+        scheduler.disagg_prefill_bootstrap_queue = side.bootstrap_queue
+        return side
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+
+    side.transfer_queue = call_supported(DecodeTransferQueue, tree_cache=tree_cache, **common)
+    side.prealloc_queue = call_supported(
+        DecodePreallocQueue, req_to_token_pool=r2t, token_to_kv_pool_allocator=allocator,
+        transfer_queue=side.transfer_queue, tree_cache=tree_cache, num_reserved_decode_tokens=0, **common,
+    )
+    scheduler.disagg_decode_transfer_queue = side.transfer_queue
+    scheduler.disagg_decode_prealloc_queue = side.prealloc_queue
+    return side

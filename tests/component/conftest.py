@@ -78,14 +78,17 @@ def stub_call_log(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------
 @pytest.fixture(autouse=True)
 def _fresh_metadata_row_pins():
-    """Metadata-row pins are per process (one scheduler each); here every test starts
-    with none, so a row a test left pinned never holds another test's free."""
+    """Metadata-row pins and suspended guards are per process (one scheduler each); here
+    every test starts with none, so a row a test left pinned never holds another test's
+    free."""
     yield
     try:
+        from sglang_kvguard.engine import suspension
         from sglang_kvguard.page_hold import ROWS
     except ImportError:
         return
     ROWS.reset()
+    suspension.reset()  # a warn-policy check in one test never switches guards off in the next
 
 
 @pytest.fixture(scope="session")

@@ -152,6 +152,35 @@ def test_decode_growth_and_row_reuse_are_not_mismatches(sgl, make_side, kvguard)
         assert table.stats["first_seen"] == first_seen + 1
 
 
+def test_a_step_without_page_crossings_skips_the_record_and_a_crossing_row_is_guarded(sgl, make_side, kvguard):
+    """GenerationTable.extend on CPU skips the kernel on a step where no row grew into a
+    new page, but not on a step where one of them did: the page a row grew into is
+    recorded, so its free behind the request's back is caught at the next check."""
+    import torch
+
+    from sglang_kvguard.guards import page_generation as pg
+
+    with make_side("decode") as d:
+        table = pg.bind(d.allocator, d.req_to_token_pool)
+        a, b = _reserve(d, 2, 83100)
+        ra, rb = sgl.req_pool_idx(a), sgl.req_pool_idx(b)
+        ps = d.page_size
+        assert (int(table.rec_len[ra]), int(table.rec_len[rb])) == (3, 3)
+        skipped = table.stats["extend_skipped"]
+        table.extend([a, b], torch.tensor([PROMPT + 1, PROMPT + 1]))  # both still inside page 3
+        assert table.stats["extend_skipped"] == skipped + 1
+        assert (int(table.rec_len[ra]), int(table.rec_len[rb])) == (3, 3)
+        loc = d.allocator.alloc(ps)  # b's step crosses into a fourth page, a's does not
+        d.req_to_token_pool.req_to_token[rb, 48:48 + ps] = loc.to(torch.int32)
+        table.extend([a, b], torch.tensor([PROMPT + 2, 49]))
+        assert table.stats["extend_skipped"] == skipped + 1
+        assert (int(table.rec_len[ra]), int(table.rec_len[rb])) == (3, 4)
+        assert table.mismatched([a, b]) == []
+        d.allocator.free(loc)  # b's new page freed behind its back and handed out again
+        assert d.allocator.alloc(ps) is not None
+        assert table.mismatched([a, b]) == [1]
+
+
 def test_free_sink_bumps_every_freed_page_once_per_free(sgl, make_side, kvguard):
     import torch
 

@@ -198,6 +198,39 @@ def test_unpinned_frees_pass_straight_through(make_side, guarded):
         assert p.allocator.available_size() == before + 4 * PAGE
 
 
+def test_a_free_touching_a_pinned_page_anywhere_holds_exactly_that_page(make_side, guarded):
+    """The busy free's fast path (pages touched, repeats allowed, against the pins) must
+    see a pinned page whatever the order of the freed tokens: here its tokens are
+    scattered between other pages' tokens and never come first in a page-sized stride."""
+    import torch
+
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p)
+        a = p.allocator.alloc(4 * PAGE)
+        pages = _pages(a)
+        pinned = pages[2]
+        queue.put(transfer_chunk(7003, [pinned]))
+        toks = a.tolist()
+        mine = [t for t in toks if t // PAGE == pinned]
+        rest = [t for t in toks if t // PAGE != pinned]
+        order = []
+        for i, t in enumerate(rest):  # one pinned token after every third other token
+            order.append(t)
+            if i % 3 == 2 and mine:
+                order.append(mine.pop())
+        order = [rest[0]] + order[1:] + mine
+        assert sorted(order) == sorted(toks) and order[0] // PAGE != pinned
+        before = p.allocator.available_size()
+        p.allocator.free(torch.tensor(order, dtype=a.dtype))
+        assert p.allocator.available_size() == before + 3 * PAGE  # every page but the pinned one
+        assert hold.held_pages() == 1
+        assert queue.get().room == 7003
+        queue.finish_current()
+        g.release_drained(p.allocator)
+        assert p.allocator.available_size() == before + 4 * PAGE
+        assert hold.held_pages() == 0
+
+
 def test_running_futures_hold_the_pages(make_side, guarded):
     """0.5.10-0.5.18: after a failed layer the worker cancels and returns early, leaving
     running transfer futures that still read the pages."""

@@ -26,3 +26,35 @@ def test_excluded_and_busy_ports_are_skipped():
         again = free_ports(50, exclude=first + [held])
         assert not set(again) & set(first)
         assert held not in again
+
+
+def _argv(role, **kw):
+    from sglang_kvguard.demo.deployment import _PORT_NAMES, PDDeployment, ReleaseInfo
+
+    d = PDDeployment(model_path="/nonexistent", log_dir="/tmp/kvguard-unit-argv", **kw)
+    d.release = ReleaseInfo(version="0.5.19", root="/x", has_mooncake_tcp=True, has_retraction_backup=False,
+                            needs_host_tensor_shim=False, plugins_in_scheduler=True, has_router=True)
+    d.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
+    return d, d._server_argv(role)
+
+
+def test_each_server_gets_its_own_rendezvous_port_below_the_ephemeral_range():
+    # SGLang < 0.5.23 picks --nccl-port with bind(0) (ephemeral) and binds it seconds
+    # later; the other server's sockets took it once in CI (EADDRINUSE, scheduler died).
+    lo, _ = _ephemeral_range()
+    seen = []
+    for role in ("prefill", "decode"):
+        d, argv = _argv(role)
+        assert argv.count("--nccl-port") == 1
+        port = int(argv[argv.index("--nccl-port") + 1])
+        assert port == d.ports[f"{role}_nccl"]
+        if lo - 20000 >= 1000:
+            assert 20000 <= port < lo
+        seen.append(port)
+    assert len(set(seen)) == 2 and len(set(d.ports.values())) == len(d.ports)
+
+
+def test_a_caller_supplied_rendezvous_port_wins():
+    _, argv = _argv("decode", decode_extra_args=["--nccl-port", "23456"])
+    assert argv.count("--nccl-port") == 1
+    assert argv[argv.index("--nccl-port") + 1] == "23456"

@@ -1,0 +1,39 @@
+"""engine/suspension.py: a suspended guard's wrappers pass straight through (no SGLang)."""
+
+from sglang_kvguard.engine import suspension
+
+
+def _factory(calls):
+    def factory(original):
+        def wrapper(*args, **kwargs):
+            calls.append("guard")
+            return original(*args, **kwargs) + 1
+
+        return wrapper
+
+    return factory
+
+
+def test_a_suspended_guard_calls_the_original_only():
+    calls = []
+    wrapped = suspension.suspendable("destination_canary", _factory(calls))(lambda x: x * 10)
+    try:
+        assert wrapped(2) == 21 and calls == ["guard"]
+        assert suspension.suspend(["destination_canary", "transfer_checksum"]) == {"destination_canary",
+                                                                                  "transfer_checksum"}
+        assert suspension.suspend(["destination_canary"]) == set()  # already suspended
+        assert wrapped(2) == 20 and calls == ["guard"]
+        other = suspension.suspendable("page_generation", _factory(calls))(lambda x: x)
+        assert other(1) == 2 and calls == ["guard", "guard"]  # not suspended: runs
+    finally:
+        suspension.reset()
+    assert wrapped(2) == 21
+
+
+def test_only_the_page_guards_can_be_suspended():
+    from sglang_kvguard import transfer_components as tc
+    from sglang_kvguard.engine.runtime import plan
+
+    _, _, guards = plan()
+    suspendable = {g.name for g in guards if g.suspendable}
+    assert suspendable == set(tc.ALL_PAGE_GUARDS)
