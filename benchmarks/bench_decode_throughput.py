@@ -12,10 +12,14 @@ check, destination canaries, transfer checksums, page holds, ...). Each trio ser
 ``--rounds`` rounds of ``--streams`` concurrent requests of ``--new-tokens`` output
 tokens; a round's throughput is output tokens / wall time. Pairs alternate
 (unguarded, guarded, unguarded, guarded, ...) so that a slow phase of the machine
-hits both. Reported: best and median round of each side and the guarded/unguarded
-ratio of the bests. On two CPU cores the noise between rounds is several percent,
-larger than the 1 % goal: read the result as "no visible cost" or "a cost of about
-X %", not to the decimal.
+hits both. Reported: best and median round of each side, the guarded/unguarded
+ratio of the bests, and (the cross-check of bench_guard_share.py) the ratio of the
+median rounds of each pair with its mean and 95 % t-interval over the pairs, flagged
+``interval_wider_than_goal`` when the half-width exceeds the 1 % goal. Servers get
+``--sleep-on-idle`` where the release has it (0.5.10-0.5.19), so an idle scheduler
+does not busy-poll a core the other trio's processes need. On two CPU cores the noise
+between rounds is several percent, larger than the 1 % goal: read the result as "no
+visible cost" or "a cost of about X %", not to the decimal.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "server"))
 os.environ.setdefault("KVGUARD_AUTO_INSTALL", "0")
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _meta import git_commit  # noqa: E402
 from server_tier import CONTEXT_LENGTH, CPU_SHIM_DIR, CPU_SHIM_PLUGIN, DECODE_POOL, STUBS_DIR, VOCAB  # noqa: E402
 
 from sglang_kvguard.demo.deployment import PDDeployment  # noqa: E402
@@ -65,9 +71,32 @@ def _round(d: PDDeployment, streams: int, new_tokens: int, prompt_tokens: int) -
     return sum(out) / wall
 
 
+# two-sided 95 % Student t quantiles by degrees of freedom (1..10); larger: 2.2
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+
+
+def _ci95(xs):
+    mean = statistics.fmean(xs)
+    if len(xs) < 2:
+        return mean, float("nan")
+    t = T95[len(xs) - 2] if len(xs) - 2 < len(T95) else 2.2
+    return mean, t * statistics.stdev(xs) / len(xs) ** 0.5
+
+
+def _has_sleep_on_idle() -> bool:
+    """Whether this interpreter's SGLang has --sleep-on-idle (read, not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = Path(list(spec.submodule_search_locations)[0]) / "srt" / "server_args.py"
+    return "sleep_on_idle" in path.read_text()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -81,28 +110,39 @@ def main() -> None:
         context_length=CONTEXT_LENGTH, sglang_plugins=[CPU_SHIM_PLUGIN],
         extra_pythonpath=[CPU_SHIM_DIR, STUBS_DIR], env={"KVGUARD_AUTO_INSTALL": "0"},
     )
+    sleep = ["--sleep-on-idle"] if _has_sleep_on_idle() else []
+    common.update(prefill_extra_args=sleep, decode_extra_args=sleep)
     sides = {"unguarded": "sglang.launch_server", "guarded": "sglang_kvguard.launch_server"}
     rounds = {k: [] for k in sides}
+    pair_ratios = []
     version = None
     for pair in range(args.pairs):
+        medians = {}
         for side, launcher in sides.items():
             d = PDDeployment(model, log_dir=work / f"{side}-{pair}", launcher=launcher, **common)
             try:
                 d.start()
                 version = d.release.version if d.release else version
                 _round(d, args.streams, 16, args.prompt_tokens)  # warm-up
-                for _ in range(args.rounds):
-                    rounds[side].append(_round(d, args.streams, args.new_tokens, args.prompt_tokens))
+                mine = [_round(d, args.streams, args.new_tokens, args.prompt_tokens) for _ in range(args.rounds)]
+                rounds[side].extend(mine)
+                medians[side] = statistics.median(mine)
             finally:
                 d.stop()
+        pair_ratios.append(medians["guarded"] / medians["unguarded"])
     best = {k: max(v) for k, v in rounds.items()}
+    mean, half = _ci95(pair_ratios)
     print(json.dumps({
-        "sglang": version,
+        "benchmark": "bench_decode_throughput", "sglang": version, "commit": git_commit(),
         "streams": args.streams, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
         "tokens_per_s": {k: [round(x, 1) for x in v] for k, v in rounds.items()},
         "best": {k: round(x, 1) for k, x in best.items()},
         "median": {k: round(statistics.median(v), 1) for k, v in rounds.items()},
         "guarded_over_unguarded_best": round(best["guarded"] / best["unguarded"], 4),
+        "pairs": args.pairs, "sleep_on_idle": bool(sleep),
+        "pair_ratios": [round(r, 4) for r in pair_ratios],
+        "ratio_mean": round(mean, 4), "ratio_ci95_halfwidth": round(half, 4) if half == half else None,
+        "goal": 0.01, "interval_wider_than_goal": not (half <= 0.01),
         "logs": str(work),
     }, indent=2))
 

@@ -39,6 +39,18 @@ def record_guard_states(report: "Report") -> None:
             g.labels(guard=gr.name, state=s).set(1 if gr.state == s else 0)
 
 
+def set_guard_state(guard: str, state: str) -> None:
+    """Move one guard's state gauge (e.g. to ``off`` when it is suspended in this process)."""
+    from .engine.guard import STATES
+
+    try:
+        g = _gauge()
+        for s in STATES:
+            g.labels(guard=guard, state=s).set(1 if s == state else 0)
+    except Exception:  # noqa: BLE001 - metrics must never stop the guards
+        pass
+
+
 def _counter():
     if "events" not in _metrics:
         from prometheus_client import Counter

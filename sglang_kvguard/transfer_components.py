@@ -320,7 +320,8 @@ def describe(kv_args, kv_pool, draft_pool=None) -> List[Component]:
         comps.append(Component(f"state:{name}", len(ptrs), {g: why for g in ALL_PAGE_GUARDS}))
     aux = _ptrs(getattr(kv_args, "aux_data_ptrs", None))
     if aux:
-        comps.append(Component("aux", len(aux), note="metadata rows: held with their pages; not digested"))
+        comps.append(Component("aux", len(aux), note="metadata rows: held with their pages; bound to the request by upstream's bootstrap_room check "
+                                                   "(every release); other fields not digested"))
     return comps
 
 
@@ -362,7 +363,9 @@ COVERAGE_RULES = (
     ("kv_layer_split", "refused for destination_canary and transfer_checksum (layer-split DSA pools)"),
     ("kv_unplaced / kv_unregistered", "refused for destination_canary and transfer_checksum: registered buffers "
                                       "kvguard does not stamp, or stamped buffers never registered"),
-    ("aux", "metadata rows: held with their pages (prefill_source_hold, decode hold); not digested"),
+    ("aux", "metadata rows: held with their pages (prefill_source_hold, decode hold); bound to the request by "
+            "upstream's bootstrap_room check (decode fails a row whose room is not the request's); other fields "
+            "not digested"),
 )
 
 

@@ -227,6 +227,7 @@ def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Op
 
     for guard in sorted(suspension.suspend(names)):
         metrics.count("guard_suspended", guard=guard, role=role)
+        metrics.set_guard_state(guard, "off")  # kvguard_guard_state says what runs here
     log.warning("kvguard hybrid pool check: suspended on this %s node (each call goes straight to SGLang): %s",
                 role, ", ".join(names))
     return outcome

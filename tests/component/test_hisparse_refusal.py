@@ -212,6 +212,11 @@ def test_under_warn_the_named_guards_do_not_run_so_nothing_is_stamped_into_the_d
         assert "destination_canary" in named
         hpc._scheduler_init("warn")(constructor)(Built())
         assert not named & hpc.active_guards()
+        from prometheus_client import REGISTRY
+
+        for guard in named:  # what runs on this node, in /metrics
+            assert REGISTRY.get_sample_value("kvguard_guard_state", {"guard": guard, "state": "off"}) == 1, guard
+            assert REGISTRY.get_sample_value("kvguard_guard_state", {"guard": guard, "state": "active"}) == 0, guard
         device = [b.clone() for b in side.kv_pool.kv_buffer]
         req = side.new_req(96, bootstrap_room=91000)
         side.prealloc_queue.add(req)
