@@ -263,7 +263,13 @@ def describe(kv_args, kv_pool, draft_pool=None) -> List[Component]:
 
     target = [p for p in registered if p in grd]
     if target:
-        comps.append(Component("kv", len(target)))
+        short = _pages_not_token_rows(kv_pool)
+        if short:
+            why = (f"the pool's KV buffers hold {short} (e.g. ROCm's vectorized_5d layout), not one row per token "
+                   "slot: kvguard addresses page p as rows p*page_size.. and would stamp and digest other pages")
+            comps.append(Component("kv", len(target), {CANARY: why, CHECKSUM: why}))
+        else:
+            comps.append(Component("kv", len(target)))
     drafted = [p for p in registered if p in drf and p not in grd]
     if drafted:
         if all(p in stamped_draft for p in drafted):
@@ -318,11 +324,44 @@ def describe(kv_args, kv_pool, draft_pool=None) -> List[Component]:
             why = (f"state component '{name}' is written with its own indices: its pages are neither held, "
                    "generation-tagged, canary-stamped nor digested")
         comps.append(Component(f"state:{name}", len(ptrs), {g: why for g in ALL_PAGE_GUARDS}))
+    sent = reg | {p for _, ptrs in _state_groups(kv_args) for p in ptrs}
+    unsent = [name for name, b in _scale_tensors(kv_pool) if int(b.data_ptr()) not in sent]
+    if unsent:
+        why = (f"the pool keeps per-page KV scales ({', '.join(sorted(set(unsent)))}) that this node does not "
+               "register with its transfer backend: a transfer moves the quantized KV without them, so decode "
+               "reads scales it never received, and a canary or digest over them cannot match what was sent")
+        comps.append(Component("scales_not_transferred", len(unsent), {CANARY: why, CHECKSUM: why}))
     aux = _ptrs(getattr(kv_args, "aux_data_ptrs", None))
     if aux:
         comps.append(Component("aux", len(aux), note="metadata rows: held with their pages; bound to the request by upstream's bootstrap_room check "
                                                    "(every release); other fields not digested"))
     return comps
+
+
+SCALE_ATTRS = ("k_scale_buffer", "v_scale_buffer", "kv_scale_buffer")
+
+
+def _scale_tensors(pool) -> List[tuple]:
+    """(attribute, tensor) of every non-empty per-layer KV scale buffer of ``pool``
+    (MXFP8 / FP4 block scales of MHA, FP4 scales of MLA)."""
+    out = []
+    for attr in SCALE_ATTRS:
+        value = getattr(pool, attr, None)
+        if isinstance(value, (list, tuple)):
+            out.extend((attr, b) for b in value if hasattr(b, "data_ptr") and not _empty(b))
+    return out
+
+
+def _pages_not_token_rows(pool) -> Optional[str]:
+    """Why the pool's KV buffers are not one row per token slot (what kvguard's page
+    addressing assumes), or None: a buffer with fewer rows than the pool has slots."""
+    size = int(getattr(pool, "size", 0) or 0)
+    for b in kv_buffers(pool) or ():
+        if _empty(b) or not hasattr(b, "shape"):
+            continue
+        if size and int(b.shape[0]) < size:
+            return f"{int(b.shape[0])} leading rows for {size} token slots"
+    return None
 
 
 def page_state_positions(kv_args) -> Optional[List[int]]:
@@ -363,6 +402,8 @@ COVERAGE_RULES = (
     ("kv_layer_split", "refused for destination_canary and transfer_checksum (layer-split DSA pools)"),
     ("kv_unplaced / kv_unregistered", "refused for destination_canary and transfer_checksum: registered buffers "
                                       "kvguard does not stamp, or stamped buffers never registered"),
+    ("scales_not_transferred", "refused for destination_canary and transfer_checksum: per-page KV scales (FP4 "
+                               "MLA kv_scale_buffer, FP4 MHA k/v_scale_buffer) the node does not register"),
     ("aux", "metadata rows: held with their pages (prefill_source_hold, decode hold); bound to the request by "
             "upstream's bootstrap_room check (decode fails a row whose room is not the request's); other fields "
             "not digested"),

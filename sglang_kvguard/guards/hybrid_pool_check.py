@@ -55,13 +55,15 @@ PLAIN_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
 # gap -> the page guards it defeats, per role
 ALLOCATOR, STATE, BUFFERS = "allocator", "state", "buffers"
 AFFECTED: Dict[str, Dict[str, Tuple[str, ...]]] = {
+    # a non-plain allocator also maps the page ids a transfer carries onto rows its own
+    # way (page interleave, HiSparse): the canary and the checksum would read other rows
     "prefill": {
-        ALLOCATOR: ("prefill_source_hold",),
+        ALLOCATOR: ("prefill_source_hold", "transfer_checksum"),
         STATE: ("prefill_source_hold",),
         BUFFERS: ("transfer_checksum",),
     },
     "decode": {
-        ALLOCATOR: ("page_generation", "decode_destination_hold"),
+        ALLOCATOR: ("page_generation", "decode_destination_hold", "destination_canary", "transfer_checksum"),
         STATE: ("decode_destination_hold",),
         BUFFERS: ("destination_canary", "transfer_checksum"),
     },

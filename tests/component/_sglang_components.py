@@ -1050,3 +1050,141 @@ def make_hisparse_side(
     scheduler.disagg_decode_transfer_queue = side.transfer_queue
     scheduler.disagg_decode_prealloc_queue = side.prealloc_queue
     return side
+
+
+# --------------------------------------------------------------------------------
+# pool audit (tests/component/test_pool_audit.py): more of SGLang's real pools
+# --------------------------------------------------------------------------------
+def make_mla_fp4_pool(size: int, page_size: int, layers: int = 2):
+    """Real ``MLATokenToKVPoolFP4`` (``--kv-cache-dtype fp4_e2m1`` on an MLA model):
+    packed FP4 latent KV (``kv_buffer``) plus per-block scales (``kv_scale_buffer``)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPoolFP4
+
+    return call_supported(
+        MLATokenToKVPoolFP4, size=size, page_size=page_size, dtype=torch.float4_e2m1fn_x2,
+        kv_lora_rank=MLA_KV_LORA_RANK, qk_rope_head_dim=MLA_ROPE_DIM, layer_num=layers, device=DEVICE,
+        enable_memory_saver=False, start_layer=0, end_layer=layers - 1,
+    )
+
+
+def make_mha_fp4_pool(size: int, page_size: int, head_dim: int = 64):
+    """The release's FP4 MHA pool as its configurator builds it: with KV quantization
+    recipes (0.5.16+ in the test beds) a ``MHATokenToKVPool`` with the ``fp4_mx_block16`` recipe's
+    ``quant_method`` (packed K/V + ``k_scale_buffer`` / ``v_scale_buffer`` + dequant
+    workspace); before, ``MHATokenToKVPoolFP4``."""
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    shape = TinyModelShape(head_dim=head_dim)
+    common = dict(size=size, page_size=page_size, dtype=torch.float4_e2m1fn_x2, head_num=shape.num_kv_heads,
+                  head_dim=head_dim, layer_num=shape.num_layers, device=DEVICE, enable_memory_saver=False,
+                  start_layer=0, end_layer=shape.num_layers - 1, enable_alt_stream=False)
+    if "quant_method" in inspect.signature(mp.MHATokenToKVPool.__init__).parameters:
+        from sglang.srt.layers.quantization import fp4_kv_cache_quant_method as fq
+
+        qm = call_supported(fq.KV_CACHE_QUANT_REGISTRY["fp4_mx_block16"], num_layers=shape.num_layers,
+                            device=DEVICE, page_size=page_size)
+        return call_supported(mp.MHATokenToKVPool, quant_method=qm, **common)
+    return call_supported(mp.MHATokenToKVPoolFP4, **common)
+
+
+def has_vectorized_5d_layout() -> bool:
+    """0.5.13+: ``MHATokenToKVPool`` can lay K/V out as ROCm AITER's SHUFFLE 5D
+    (``SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d``)."""
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    return "vectorized_5d" in inspect.getsource(mp.MHATokenToKVPool)
+
+
+@contextlib.contextmanager
+def rocm_aiter_platform(layout: str = "vectorized_5d"):
+    """The platform an MHA pool reads its layout from, as on ROCm with AITER: SGLang's
+    module flag ``memory_pool._use_aiter`` (``SGLANG_USE_AITER and is_hip()``, False on
+    this CPU test bed) set True, and ``SGLANG_AITER_KV_CACHE_LAYOUT``. Nothing else is
+    replaced: the pool, its buffers and what the PD queue registers are upstream's."""
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    saved_flag, saved_env = mp._use_aiter, os.environ.get("SGLANG_AITER_KV_CACHE_LAYOUT")
+    mp._use_aiter = True
+    os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"] = layout
+    try:
+        yield
+    finally:
+        mp._use_aiter = saved_flag
+        if saved_env is None:
+            os.environ.pop("SGLANG_AITER_KV_CACHE_LAYOUT", None)
+        else:
+            os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"] = saved_env
+
+
+def make_vectorized_5d_pool(size: int, page_size: int):
+    """Real ``MHATokenToKVPool`` in the ``vectorized_5d`` layout: K as
+    ``(num_blocks, heads, head_dim // x, page_size, x)``, one leading row per PAGE."""
+    with rocm_aiter_platform("vectorized_5d"):
+        pool = make_kv_pool(size, page_size)
+    assert pool.kv_cache_layout == "vectorized_5d", pool.kv_cache_layout
+    return pool
+
+
+def minimax_sparse_pool_class():
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    return getattr(mp, "MiniMaxSparseKVPool", None)
+
+
+def make_minimax_sparse_pool(size: int, page_size: int):
+    """Real ``MiniMaxSparseKVPool``: layer 0 dense, layer 1 sparse with a K-only index
+    pool (``disable_value_sparse_layer_ids``, the PD-supported variant)."""
+    return call_supported(
+        minimax_sparse_pool_class(), size=size, page_size=page_size, dtype=torch.bfloat16, head_num=2, head_dim=16,
+        idx_head_dim=16, dense_layer_ids=[0], sparse_layer_ids=[1], disable_value_sparse_layer_ids=[1],
+        device=DEVICE, enable_memory_saver=False, start_layer=0, end_layer=2,
+    )
+
+
+def has_dsa_compress_tail() -> bool:
+    return "index_kpool_compress" in inspect.signature(dsa_pool_class().__init__).parameters
+
+
+def make_dsa_compress_pool(size: int, page_size: int, layers: int = 2):
+    """Real DSA pool with a pooled, compressed indexer (``index_kpool=2``,
+    ``index_kpool_compress``): registers ``StateType.DSA_TAIL`` beside the indexer.
+    ``page_size`` is the logical page (64 x index_kpool)."""
+    return call_supported(
+        dsa_pool_class(), size=size, page_size=page_size, dtype=torch.bfloat16, kv_lora_rank=MLA_KV_LORA_RANK,
+        qk_rope_head_dim=MLA_ROPE_DIM, layer_num=layers, device=DEVICE, index_head_dim=DSA_INDEX_HEAD_DIM,
+        enable_memory_saver=False, kv_cache_dim=MLA_KV_LORA_RANK + MLA_ROPE_DIM, start_layer=0,
+        end_layer=layers - 1, index_kpool=page_size // 64, index_kpool_compress=True, max_running_requests=8,
+    )
+
+
+def page_interleave_allocator_class():
+    try:
+        from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    except ImportError:
+        return None
+    return PageInterleavePoolAllocator
+
+
+def make_page_interleave_allocator(size: int, page_size: int, kv_pool, shard_size: int = 2):
+    """Real ``PageInterleavePoolAllocator`` (``--enable-kv-cache-sharding``, PD prefill
+    only): ``shard_size`` x widened logical page space over one rank's pool."""
+    return call_supported(
+        page_interleave_allocator_class(), size=size, physical_page_size=page_size, shard_size=shard_size,
+        dtype=torch.bfloat16, device=DEVICE, kvcache=kv_pool, need_sort=False,
+    )
+
+
+def double_sparse_pool_class():
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    return getattr(mp, "DoubleSparseTokenToKVPool", None)
+
+
+def make_double_sparse_pool(size: int, page_size: int):
+    """Real ``DoubleSparseTokenToKVPool`` (``--enable-double-sparsity``)."""
+    shape = TinyModelShape()
+    return call_supported(
+        double_sparse_pool_class(), size=size, page_size=page_size, dtype=shape.dtype, head_num=shape.num_kv_heads,
+        head_dim=shape.head_dim, layer_num=shape.num_layers, device=DEVICE, heavy_channel_num=4,
+        enable_memory_saver=False, start_layer=0, end_layer=shape.num_layers - 1,
+    )
