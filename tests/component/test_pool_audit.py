@@ -157,16 +157,19 @@ def _audit(p, d, named_p, named_d, pages) -> list:
         except Exception as exc:  # noqa: BLE001
             problems.append(f"destination_canary is called covering but its stamp raises: {exc!r}")
             canary = False
+    # only a guard's own writes are judged here (before the transfer): upstream's copy may
+    # itself reach outside the reservation where its registered item length does not
+    # match the layout (0.5.15's vectorized_5d: one page row times page_size)
+    others = [q for q in range(d.kv_pool.size // d.kv_pool.page_size) if q not in pages][:16]
+    for name, t, rpp in _page_buffers(d.kv_pool):
+        if not torch.equal(_rows(before[name], rpp, others), _rows(t, rpp, others)):
+            problems.append(f"{name}: rows of pages outside the reservation changed (a guard wrote there)")
     _transfer(p.kv_pool, p_args, d.kv_pool, d_args, pages)
     if canary:
         left = tc.unwritten(groups, pages, ROOM)
         if left:
             problems.append(f"destination_canary is called covering but reports {left} unwritten after a "
                             "transfer that wrote every registered byte of those pages")
-    others = [q for q in range(d.kv_pool.size // d.kv_pool.page_size) if q not in pages][:16]
-    for name, t, rpp in _page_buffers(d.kv_pool):
-        if not torch.equal(_rows(before[name], rpp, others), _rows(t, rpp, others)):
-            problems.append(f"{name}: rows of pages outside the reservation changed (a guard wrote there)")
     complete = all(torch.equal(_rows(a, rpp, pages), _rows(b, rpp, pages))
                    for (_, a, rpp), (_, b, _) in zip(_page_buffers(p.kv_pool), _page_buffers(d.kv_pool)))
     if CHECKSUM not in named_p and CHECKSUM not in named_d:
