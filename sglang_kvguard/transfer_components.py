@@ -331,11 +331,71 @@ def describe(kv_args, kv_pool, draft_pool=None) -> List[Component]:
                "register with its transfer backend: a transfer moves the quantized KV without them, so decode "
                "reads scales it never received, and a canary or digest over them cannot match what was sent")
         comps.append(Component("scales_not_transferred", len(unsent), {CANARY: why, CHECKSUM: why}))
+    wrong = misaddressed(kv_args, kv_pool, groups)
+    if wrong:
+        ptr, reg_len, page_len = wrong[0]
+        why = (f"upstream registers {len(wrong)} buffer(s) with a transfer item length that is not one page of "
+               f"the pool's layout (e.g. {reg_len} bytes registered where a page is {page_len} bytes): the "
+               f"backend moves page p at byte p*item_length, so every transfer reads and writes outside the pages "
+               f"the request owns, into pages of other requests that no page guard watches (seen on SGLang "
+               f"0.5.13-0.5.15 with SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d; way out: the nhd layout or "
+               f"SGLang 0.5.16+)")
+        comps.append(Component("kv_item_len", len(wrong), {g: why for g in ALL_PAGE_GUARDS}))
     aux = _ptrs(getattr(kv_args, "aux_data_ptrs", None))
     if aux:
         comps.append(Component("aux", len(aux), note="metadata rows: held with their pages; bound to the request by upstream's bootstrap_room check "
                                                    "(every release); other fields not digested"))
     return comps
+
+
+def _page_bytes(groups: Sequence[PageGroup], kv_pool) -> Dict[int, int]:
+    """data pointer -> bytes of one page in that buffer, as the pool lays it out (token
+    rows: ``page_size`` rows; a buffer with fewer rows than slots: one row per page)."""
+    size = int(getattr(kv_pool, "size", 0) or 0)
+    out: Dict[int, int] = {}
+    for g in groups:
+        for b in g.buffers:
+            if _empty(b) or not hasattr(b, "shape") or not b.dim():
+                continue
+            row = int(b[0].nbytes)
+            rows = g.rows_per_page
+            if g.component in ("kv", "draft_kv") and size and int(b.shape[0]) < size:
+                rows = 1  # rows are pages (ROCm's vectorized_5d)
+            out.setdefault(int(b.data_ptr()), row * rows)
+    return out
+
+
+def _registered_item_lens(kv_args) -> List[tuple]:
+    """[(pointer, item length)] that upstream registered for what it sends at the KV page
+    ids: the KV (target and draft) and the state components sent at KV page ids."""
+    out = []
+    ptrs, lens = _ptrs(getattr(kv_args, "kv_data_ptrs", None)), _ints(getattr(kv_args, "kv_item_lens", None))
+    if len(ptrs) == len(lens):
+        out += list(zip(ptrs, lens))
+    sptrs = list(getattr(kv_args, "state_data_ptrs", None) or [])
+    slens = list(getattr(kv_args, "state_item_lens", None) or [])
+    types = getattr(kv_args, "state_types", None)
+    if types is not None:  # 0.5.13+: one list per component
+        for i, t in enumerate(types):
+            if str(getattr(t, "value", t)) in PAGE_STATE_TYPES and i < len(sptrs) and i < len(slens):
+                p, n = _ptrs(sptrs[i] if isinstance(sptrs[i], (list, tuple)) else [sptrs[i]]), _ints(slens[i])
+                if len(p) == len(n):
+                    out += list(zip(p, n))
+    elif str(getattr(kv_args, "state_type", None) or "none") in PAGE_STATE_TYPES:
+        p, n = _ptrs(sptrs), _ints(slens)
+        if len(p) == len(n):
+            out += list(zip(p, n))
+    return out
+
+
+def misaddressed(kv_args, kv_pool, groups: Sequence[PageGroup]) -> List[tuple]:
+    """[(pointer, registered item length, page bytes)] of every buffer kvguard places in
+    the pool whose registered transfer item length is not one page of its layout."""
+    registered = _registered_item_lens(kv_args)
+    if not registered:
+        return []
+    page = _page_bytes(groups, kv_pool)
+    return [(p, n, page[p]) for p, n in registered if p in page and n and n != page[p]]
 
 
 SCALE_ATTRS = ("k_scale_buffer", "v_scale_buffer", "kv_scale_buffer")
@@ -404,6 +464,9 @@ COVERAGE_RULES = (
                                       "kvguard does not stamp, or stamped buffers never registered"),
     ("scales_not_transferred", "refused for destination_canary and transfer_checksum: per-page KV scales (FP4 "
                                "MLA kv_scale_buffer, FP4 MHA k/v_scale_buffer) the node does not register"),
+    ("kv_item_len", "refused for every page guard: a registered buffer whose transfer item length is not one "
+                    "page of the pool's layout (the backend would move bytes outside the reserved pages; SGLang "
+                    "0.5.13-0.5.15 vectorized_5d)"),
     ("aux", "metadata rows: held with their pages (prefill_source_hold, decode hold); bound to the request by "
             "upstream's bootstrap_room check (decode fails a row whose room is not the request's); other fields "
             "not digested"),

@@ -22,7 +22,10 @@ and the components sent at the KV page ids). Then
 
 The audit found four configurations kvguard got wrong (FP4 MLA and FP4 MHA scales
 that are never transferred, ROCm's vectorized_5d page-row layout, a KV-sharded
-prefill); they were fixed in the same session and each test below says so.
+prefill); they were fixed in the same session and each test below says so. A fifth
+(session 14): upstream's own copy writing outside the reservation where the registered
+item length is not one page of the layout (0.5.13-0.5.15 vectorized_5d) must make
+kvguard name every page guard on both nodes.
 """
 
 from __future__ import annotations
@@ -165,6 +168,14 @@ def _audit(p, d, named_p, named_d, pages) -> list:
         if not torch.equal(_rows(before[name], rpp, others), _rows(t, rpp, others)):
             problems.append(f"{name}: rows of pages outside the reservation changed (a guard wrote there)")
     _transfer(p.kv_pool, p_args, d.kv_pool, d_args, pages)
+    # upstream's own copy reaching outside the reservation (its registered item length is
+    # not one page of the layout): no page guard watches the pages it lands in, so
+    # kvguard must name every page guard on both nodes
+    spilled = [name for name, t, rpp in _page_buffers(d.kv_pool)
+               if not torch.equal(_rows(before[name], rpp, others), _rows(t, rpp, others))]
+    if spilled and not (PRE <= named_p and DEC <= named_d):
+        problems.append(f"upstream's transfer writes outside the reserved pages ({', '.join(spilled[:3])}) but "
+                        f"kvguard leaves {sorted((PRE - named_p) | (DEC - named_d))} covering")
     if canary:
         left = tc.unwritten(groups, pages, ROOM)
         if left:
@@ -269,6 +280,32 @@ def test_vectorized_5d_mha_pool_guards_must_address_whole_page_rows(sgl, make_si
         assert d.kv_pool.k_buffer[0].shape[0] * 16 == d.kv_pool.size + 16  # rows are pages
         # page 1 alone (stamped rows 16..31: other pages), then a reservation past page 1
         assert _audit(p, d, named_p, named_d, [1]) + _audit(p, d, named_p, named_d, [1, 3]) == []
+
+
+# Fixed in session 14 (an upstream defect kvguard called covered): on 0.5.13-0.5.15 the
+# vectorized_5d pool registers an item length of one page ROW times page_size (its rows
+# are already pages), so Mooncake moves page p from byte p * page_size * row: outside the
+# reservation, into other requests' pages. 0.5.16+ registers one row. kvguard compares
+# each registered item length with one page of the layout and refuses by name.
+def test_vectorized_5d_item_length_that_spills_outside_the_reservation_is_refused(sgl, make_side):
+    if not sgl.has_vectorized_5d_layout():
+        pytest.skip("release has no vectorized_5d layout")
+    with _pair(make_side, kv_pool=sgl.make_vectorized_5d_pool, page_size=16, num_tokens=512) as (p, d, named_p, named_d):
+        p_args, _ = hpc.transfer_kv_args(p.scheduler)
+        d_args, _ = hpc.transfer_kv_args(d.scheduler)
+        _fill(p.kv_pool, 1)
+        _fill(d.kv_pool, 2)
+        before = {name: t.clone() for name, t, _ in _page_buffers(d.kv_pool)}
+        _transfer(p.kv_pool, p_args, d.kv_pool, d_args, [1])
+        others = [q for q in range(d.kv_pool.size // 16) if q != 1]
+        spills = any(not torch.equal(_rows(before[n], r, others), _rows(t, r, others))
+                     for n, t, r in _page_buffers(d.kv_pool))
+        flagged = [c.name for c in tc.describe(d_args, d.kv_pool) if c.name == "kv_item_len"]
+        assert bool(flagged) == spills, (
+            f"upstream's copy {'writes' if spills else 'does not write'} outside the reservation, "
+            f"kvguard {'names' if flagged else 'does not name'} kv_item_len")
+        if spills:
+            assert PRE <= named_p and DEC <= named_d, (named_p, named_d)
 
 
 # ----------------------------------------------------------------------------- page interleave (KV sharding)

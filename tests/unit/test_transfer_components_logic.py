@@ -25,6 +25,9 @@ class Buf:
             n *= s
         return n
 
+    def __getitem__(self, i):  # one leading row, 2-byte elements
+        return types.SimpleNamespace(nbytes=self.numel() // self.shape[0] * 2)
+
 
 def _pool(*ptrs, attr="k_buffer", page_size=16, **extra):
     return types.SimpleNamespace(page_size=page_size, size=64, **{attr: [Buf(p) for p in ptrs]}, **extra)
@@ -130,3 +133,22 @@ def test_layer_split_placeholders_are_refused_for_canary_and_checksum_and_never_
     assert set(comps["kv_layer_split"].gaps) == {"destination_canary", "transfer_checksum"}
     assert "kv_unregistered" not in comps
     assert [len(g.buffers) for g in tc.page_groups(pool)] == [1]
+
+
+@pytest.mark.parametrize("item_len, flagged", [(8 * 2 * 16, False), (8 * 2 * 16 * 16, True), (8 * 2, True)])
+def test_registered_item_length_must_be_one_page_of_the_layout(item_len, flagged):
+    """Mooncake moves page p at byte p * item_len: an item length that is not one page of
+    the buffer's layout lands outside the reservation, which no page guard watches."""
+    args = types.SimpleNamespace(kv_data_ptrs=[1, 2], kv_item_lens=[8 * 2 * 16, item_len], aux_data_ptrs=[],
+                                 state_types=[], state_data_ptrs=[])
+    comps = {c.name: c for c in tc.describe(args, _pool(1, 2))}
+    assert ("kv_item_len" in comps) == flagged
+    if flagged:
+        assert comps["kv_item_len"].buffers == 1
+        assert set(tc.gaps_for("decode", comps.values(), None)) == set(tc.PAGE_GUARDS["decode"])
+        assert set(tc.gaps_for("prefill", comps.values(), None)) == set(tc.PAGE_GUARDS["prefill"])
+
+
+def test_item_lengths_that_cannot_be_paired_with_buffers_are_not_guessed():
+    args = types.SimpleNamespace(kv_data_ptrs=[1, 2], kv_item_lens=[7], state_types=[], state_data_ptrs=[])
+    assert "kv_item_len" not in {c.name for c in tc.describe(args, _pool(1, 2))}
