@@ -18,6 +18,13 @@ allocated and before prefill learns where to write. The KV pool is the one of th
 ``DecodePreallocQueue`` whose ``pop_preallocated`` is running. Pools without
 per-layer page buffers (hybrid SWA / Mamba pools) are not stamped; a decode node on
 one refuses to start while this guard is active (``hybrid_pool_check``).
+
+Head-sliced transfers (an MHA model with prefill and decode at different attention TP
+sizes: several prefill ranks write head slices of each decode page, or each decode row
+is cut from a wider prefill row) cannot be judged page by page: a page one sender never
+wrote still lost its canary in the other senders' slices. Such a receiver is not
+stamped, and the request fails closed at commit with a message naming both TP sizes
+(``_peer_tp``; counter ``head_sliced_transfers_refused``, one ERROR per prefill address).
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from typing import Callable, Dict, List, Optional
 from .. import transfer_components
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
-from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, fail_closed, landed_room
+from ._peer_tp import head_sliced, refuse
+from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, _is_fake, fail_closed, landed_room
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -75,7 +83,9 @@ def _send_metadata(original: Callable) -> Callable:
         room = getattr(self, "bootstrap_room", None)
         if room is None:  # the fake backend's receiver does not keep its room
             room = random.getrandbits(63)
-        if queue is not None and kv_indices is not None and len(kv_indices):
+        if head_sliced(self) is not None:
+            pass  # whole-page canaries cannot judge head slices: failed closed at commit
+        elif queue is not None and kv_indices is not None and len(kv_indices):
             pool = _pool_of(queue)
             groups = transfer_components.page_groups(pool, _draft_pool_of(queue))
             if groups is None:
@@ -105,6 +115,10 @@ def unwritten_pages(receiver) -> Optional[Dict[str, List[int]]]:
 def _commit(original: Callable) -> Callable:
     def _commit_transfer_to_req(self, decode_req, *args, **kwargs):
         receiver = getattr(decode_req, "kv_receiver", None)
+        if receiver is not None and not _is_fake(decode_req.req):
+            reason = head_sliced(receiver)
+            if reason is not None:
+                return refuse(decode_req, receiver, reason, "destination_canary")
         room = landed_room(self, decode_req) if receiver is not None else None
         if room is None:
             return original(self, decode_req, *args, **kwargs)

@@ -21,6 +21,14 @@ chunk started) to the end of the prompt. It runs beside upstream's optional
 
 A row without the marker means prefill did not publish (no kvguard there);
 ``--kvguard-coverage-unverified`` decides, as for the coverage check.
+
+Head-sliced transfers (an MHA model with prefill and decode at different attention TP
+sizes) cannot match: each prefill rank digests its own heads of its whole rows, decode
+digests its whole rows, and the metadata row carrying the digest is last-writer-wins
+among the prefill ranks. Decode does not record such a reservation and fails the
+request closed at commit with a message naming both TP sizes (``_peer_tp``; counter
+``head_sliced_transfers_refused``, one ERROR per prefill address). When the
+destination canary is active it runs first and gives the one message.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Callable, Dict, List, Optional
 from .. import transfer_components
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
+from ._peer_tp import head_sliced, refuse
 from ._row import read_cols, row_view
 from .destination_canary import POP_PREALLOCATED, _current, _draft_pool_of, _pool_of, _pop_preallocated
 from .transfer_coverage import COMMIT, RESERVE, RESERVE_FAKE, _is_fake, fail_closed, landed_room, unverified
@@ -127,7 +136,7 @@ def _send_kv_chunk(original: Callable) -> Callable:
 def _send_metadata(original: Callable) -> Callable:
     def send_metadata(self, kv_indices, *args, **kwargs):
         queue = getattr(_current, "queue", None)
-        pool = _pool_of(queue) if queue is not None else None
+        pool = _pool_of(queue) if queue is not None and head_sliced(self) is None else None
         if pool is not None and transfer_components.kv_buffers(pool) is not None and kv_indices is not None:
             self._kvguard_checksum = ([int(p) for p in kv_indices], pool, _draft_pool_of(queue))
         return original(self, kv_indices, *args, **kwargs)
@@ -157,6 +166,10 @@ def _commit(unverified_policy: str) -> Callable[[Callable], Callable]:
     def factory(original: Callable) -> Callable:
         def _commit_transfer_to_req(self, decode_req, *args, **kwargs):
             receiver = getattr(decode_req, "kv_receiver", None)
+            if receiver is not None and not _is_fake(decode_req.req):
+                reason = head_sliced(receiver)
+                if reason is not None:
+                    return refuse(decode_req, receiver, reason, "transfer_checksum")
             room = landed_room(self, decode_req) if receiver is not None else None
             if room is None:
                 return original(self, decode_req, *args, **kwargs)
