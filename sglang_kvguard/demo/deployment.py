@@ -134,8 +134,14 @@ def http_request(
 
 # ----------------------------------------------------------------------------- ports
 
-# Every port a deployment uses, all picked by free_ports() at start.
+# Every port a deployment of one prefill and one decode uses, all picked by free_ports()
+# at start (more nodes: see PDDeployment.port_names).
 _PORT_NAMES = ("prefill", "decode", "router", "bootstrap", "router_metrics", "prefill_nccl", "decode_nccl")
+
+
+def node_mode(name: str) -> str:
+    """``prefill`` / ``decode`` of a node name (``prefill``, ``prefill2``, ``decode2``...)."""
+    return "prefill" if name.startswith("prefill") else "decode" if name.startswith("decode") else name
 
 
 def _ephemeral_range() -> Tuple[int, int]:
@@ -368,7 +374,10 @@ def _teardown_all() -> None:
 
 @dataclass(eq=False)  # identity hash: instances live in a WeakSet
 class PDDeployment:
-    """A prefill server, a decode server and a PD router on 127.0.0.1.
+    """A prefill server, a decode server and a PD router on 127.0.0.1 (or, with
+    ``prefill_nodes`` / ``decode_nodes`` > 1, that many of each behind the one router:
+    nodes ``prefill``, ``prefill2``, ... and ``decode``, ``decode2``, ..., each with
+    its own ports and log; the per-role arguments apply to every node of the role).
 
     Pool sizes are per role (``--max-total-tokens``); ``context_length`` (if given)
     is passed to both servers as ``--context-length``. ``extra_args`` /
@@ -405,6 +414,8 @@ class PDDeployment:
     router_settle_timeout: float = 60.0
     host: str = "127.0.0.1"
     threads_per_server: Optional[int] = 1
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
 
     def __post_init__(self) -> None:
         self.model_path = str(Path(self.model_path).resolve())
@@ -419,7 +430,38 @@ class PDDeployment:
         self._stopped = False
         self._t0: Optional[float] = None
 
-    # -- urls
+    # -- nodes and urls
+    @property
+    def prefill_names(self) -> List[str]:
+        return ["prefill"] + [f"prefill{i}" for i in range(2, self.prefill_nodes + 1)]
+
+    @property
+    def decode_names(self) -> List[str]:
+        return ["decode"] + [f"decode{i}" for i in range(2, self.decode_nodes + 1)]
+
+    @property
+    def node_names(self) -> List[str]:
+        return self.prefill_names + self.decode_names
+
+    def port_names(self) -> List[str]:
+        names = list(_PORT_NAMES)
+        for n in self.node_names:
+            if n not in ("prefill", "decode"):
+                names += [n, f"{n}_nccl"] + ([f"{n}_bootstrap"] if node_mode(n) == "prefill" else [])
+        return names
+
+    def bootstrap_port(self, name: str) -> int:
+        return self.ports["bootstrap" if name in ("prefill", "decode") or node_mode(name) == "decode"
+                          else f"{name}_bootstrap"]
+
+    def url(self, name: str) -> str:
+        """The HTTP URL of node ``name`` (or of ``router``)."""
+        return f"http://{self.host}:{self.ports[name]}"
+
+    @property
+    def node_urls(self) -> Dict[str, str]:
+        return {n: self.url(n) for n in self.node_names}
+
     @property
     def prefill_url(self) -> str:
         return f"http://{self.host}:{self.ports['prefill']}"
@@ -433,16 +475,17 @@ class PDDeployment:
         return f"http://{self.host}:{self.ports['router']}"
 
     # -- command lines
-    def _server_argv(self, role: str) -> List[str]:
+    def _server_argv(self, name: str) -> List[str]:
         rel = self.release
         assert rel is not None
+        role = node_mode(name)
         backend = self.transfer_backend or ("mooncake_tcp" if rel.has_mooncake_tcp else "mooncake")
         pool = self.prefill_max_total_tokens if role == "prefill" else self.decode_max_total_tokens
         argv = [
             self.python, "-m", *self.launcher.split(),
             "--model-path", self.model_path,
             "--host", self.host,
-            "--port", str(self.ports[role]),
+            "--port", str(self.ports[name]),
             "--device", "cpu",
             "--load-format", self.load_format,
             "--attention-backend", "torch_native",
@@ -450,7 +493,7 @@ class PDDeployment:
             "--max-total-tokens", str(pool),
             "--disaggregation-mode", role,
             "--disaggregation-transfer-backend", backend,
-            "--disaggregation-bootstrap-port", str(self.ports["bootstrap"]),
+            "--disaggregation-bootstrap-port", str(self.bootstrap_port(name)),
             "--disable-overlap-schedule",
             "--log-level", "info",
         ]
@@ -460,7 +503,7 @@ class PDDeployment:
             # bind(0), i.e. inside the ephemeral range, and binds it seconds later;
             # a socket of the other server can take it meanwhile (EADDRINUSE in
             # TCPStore, the scheduler dies at start-up). Pick it here, below the range.
-            argv += ["--nccl-port", str(self.ports[f"{role}_nccl"])]
+            argv += ["--nccl-port", str(self.ports[f"{name}_nccl"])]
         if self.context_length is not None:
             argv += ["--context-length", str(self.context_length)]
         if role == "decode" and rel.has_retraction_backup:
@@ -469,11 +512,15 @@ class PDDeployment:
         return argv
 
     def _router_argv(self) -> List[str]:
+        nodes: List[str] = []
+        for n in self.prefill_names:
+            nodes += ["--prefill", self.url(n), str(self.bootstrap_port(n))]
+        for n in self.decode_names:
+            nodes += ["--decode", self.url(n)]
         return [
             self.python, "-m", ROUTER_MODULE,
             "--pd-disaggregation",
-            "--prefill", self.prefill_url, str(self.ports["bootstrap"]),
-            "--decode", self.decode_url,
+            *nodes,
             "--host", self.host,
             "--port", str(self.ports["router"]),
             "--prometheus-host", self.host,
@@ -485,7 +532,8 @@ class PDDeployment:
             *self.router_extra_args,
         ]
 
-    def _env(self, role: str) -> Dict[str, str]:
+    def _env(self, name: str) -> Dict[str, str]:
+        role = node_mode(name)
         env = dict(os.environ)
         env.update(
             {
@@ -539,13 +587,14 @@ class PDDeployment:
         self.release = probe_release(self.python)
         if not self.release.has_router:
             raise DeploymentError(f"sglang_router is not installed for {self.python}")
-        p = free_ports(len(_PORT_NAMES), self.host)
-        self.ports = dict(zip(_PORT_NAMES, p))
+        names = self.port_names()
+        p = free_ports(len(names), self.host)
+        self.ports = dict(zip(names, p))
         _live.add(self)
         self._start_sampler()
-        for role in ("prefill", "decode"):
-            self._spawn(role, self._server_argv(role))
-        self._wait_healthy(("prefill", "decode"), t0)
+        for name in self.node_names:
+            self._spawn(name, self._server_argv(name))
+        self._wait_healthy(self.node_names, t0)
         self._start_router(t0)
         self.startup_seconds = time.monotonic() - t0
         return self
@@ -619,8 +668,7 @@ class PDDeployment:
                     + self.describe()
                 )
             for role in sorted(pending):
-                url = self.prefill_url if role == "prefill" else self.decode_url
-                r = http_request(url + "/health", timeout=5)
+                r = http_request(self.url(role) + "/health", timeout=5)
                 if r.status == 200:
                     pending.discard(role)
                     self.procs[role].healthy_after = time.monotonic() - t0
@@ -675,7 +723,8 @@ class PDDeployment:
             return
         self._stopped = True
         self._stop_sampling.set()
-        order = [r for r in ("router", "decode", "prefill") if r in self.procs]
+        order = [r for r in ["router", *self.decode_names, *self.prefill_names] if r in self.procs]
+        order += [r for r in self.procs if r not in order]
         groups = {r: self.procs[r].pgid for r in order if self.procs[r].pgid}
         for r in order:
             self._signal_group(groups.get(r), signal.SIGTERM)
@@ -718,7 +767,7 @@ class PDDeployment:
     def restart(self, role: str) -> float:
         """SIGKILL every process of ``role`` (a crashed node), start it again on the same
         ports and wait until it answers /health; returns the seconds it was down."""
-        assert role in ("prefill", "decode"), role
+        assert role in self.node_names, role
         proc = self.procs[role]
         t0 = time.monotonic()
         pgid = proc.pgid
@@ -843,7 +892,7 @@ class PDDeployment:
         return http_request((url or self.router_url) + "/v1/completions", payload, timeout=timeout)
 
     def server_info(self, role: str) -> HTTPResult:
-        url = self.prefill_url if role == "prefill" else self.decode_url
+        url = self.url(role)
         r = http_request(url + "/server_info", timeout=30)
         if r.status == 404:
             r = http_request(url + "/get_server_info", timeout=30)

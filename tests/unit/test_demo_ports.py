@@ -58,3 +58,30 @@ def test_a_caller_supplied_rendezvous_port_wins():
     _, argv = _argv("decode", decode_extra_args=["--nccl-port", "23456"])
     assert argv.count("--nccl-port") == 1
     assert argv[argv.index("--nccl-port") + 1] == "23456"
+
+
+def test_a_scale_out_deployment_gives_every_node_its_own_ports_and_the_router_every_node():
+    from sglang_kvguard.demo.deployment import PDDeployment, ReleaseInfo
+
+    d = PDDeployment(model_path="/nonexistent", log_dir="/tmp/kvguard-unit-argv", prefill_nodes=2, decode_nodes=2)
+    d.release = ReleaseInfo(version="0.5.10", root="/x", has_mooncake_tcp=False, has_retraction_backup=False,
+                            needs_host_tensor_shim=False, plugins_in_scheduler=True, has_router=True)
+    names = d.port_names()
+    d.ports = dict(zip(names, free_ports(len(names))))
+    assert d.node_names == ["prefill", "prefill2", "decode", "decode2"]
+    assert len(set(d.ports.values())) == len(names)
+    seen = {}
+    for n in d.node_names:
+        argv = d._server_argv(n)
+        mode = argv[argv.index("--disaggregation-mode") + 1]
+        assert mode == ("prefill" if n.startswith("prefill") else "decode")
+        seen[n] = (int(argv[argv.index("--port") + 1]), int(argv[argv.index("--nccl-port") + 1]),
+                   int(argv[argv.index("--disaggregation-bootstrap-port") + 1]))
+    ports = [p for v in seen.values() for p in v[:2]]
+    assert len(set(ports)) == len(ports)  # HTTP and rendezvous ports all distinct
+    assert seen["prefill"][2] != seen["prefill2"][2]  # each prefill its own bootstrap server
+    r = d._router_argv()
+    prefills = [(r[i + 1], int(r[i + 2])) for i, a in enumerate(r) if a == "--prefill"]
+    decodes = [r[i + 1] for i, a in enumerate(r) if a == "--decode"]
+    assert prefills == [(d.url("prefill"), seen["prefill"][2]), (d.url("prefill2"), seen["prefill2"][2])]
+    assert decodes == [d.url("decode"), d.url("decode2")]
