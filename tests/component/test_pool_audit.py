@@ -260,7 +260,15 @@ def test_mha_fp4_pool_before_recipes_registers_dequantized_copies_and_is_refused
     kvguard cannot place them: the canary and the checksum are named."""
     if _mha_fp4_has_recipe(sgl):
         pytest.skip("release builds FP4 MHA through a quant_method recipe (previous test)")
-    with make_side(role, kv_pool=sgl.make_mha_fp4_pool, page_size=16, num_tokens=256) as side:
+    with contextlib.ExitStack() as stack:
+        try:
+            side = stack.enter_context(make_side(role, kv_pool=sgl.make_mha_fp4_pool, page_size=16, num_tokens=256))
+        except ImportError as exc:
+            # 0.5.11-0.5.13: _get_key_buffer imports KVFP4QuantizeUtil, which the release no
+            # longer ships, so upstream's own PD queue cannot register the pool: such a node
+            # dies at start-up, before kvguard has anything to decide
+            assert "KVFP4QuantizeUtil" in str(exc), exc
+            pytest.skip(f"upstream cannot register MHATokenToKVPoolFP4 for PD on this release ({exc})")
         registered = set(tc._ptrs(hpc.transfer_kv_args(side.scheduler)[0].kv_data_ptrs))
         assert not registered & set(_tensors(side.kv_pool)), "the pool's own buffers are registered"
         expected = {CHECKSUM} if role == "prefill" else {CANARY, CHECKSUM}
