@@ -331,7 +331,7 @@ def test_sharded_prefill_names_the_checksum_as_well_as_the_source_hold(sgl, make
     if sgl.page_interleave_allocator_class() is None:
         pytest.skip("release has no KV sharding")
     import numpy as np
-    from sglang.srt.disaggregation.utils import filter_kv_indices_for_shard_rank
+    from sglang.srt.disaggregation import utils as dutils
 
     with make_side("prefill", page_size=16, num_tokens=256) as side:
         alloc = sgl.make_page_interleave_allocator(256, 16, side.kv_pool, shard_size=2)
@@ -339,9 +339,11 @@ def test_sharded_prefill_names_the_checksum_as_well_as_the_source_hold(sgl, make
         zero, lens = torch.zeros(1, dtype=torch.int64), torch.tensor([n])
         loc = alloc.alloc_extend(zero, zero, lens, lens, torch.tensor([-1]), n, rotation_bases=[None])
         logical = sorted({int(x) // 16 for x in loc.tolist()})
-        local, _ = filter_kv_indices_for_shard_rank(kv_indices=np.asarray(logical), index_slice=slice(0, len(logical)),
-                                                   shard_rank=0, shard_size=2)
-        assert sorted(int(x) for x in local) != [x for x in logical if x % 2 == 0]  # rows sent are not rows at l
+        shard_filter = getattr(dutils, "filter_kv_indices_for_shard_rank", None)  # 0.5.23; 0.5.20-0.5.22 lack it
+        if shard_filter is not None:
+            local, _ = shard_filter(kv_indices=np.asarray(logical), index_slice=slice(0, len(logical)),
+                                    shard_rank=0, shard_size=2)
+            assert sorted(int(x) for x in local) != [x for x in logical if x % 2 == 0]  # rows sent are not rows at l
         named = _decision(side, allocator=alloc)
         assert "prefill_source_hold" in named
         assert CHECKSUM in named, named
@@ -368,6 +370,12 @@ def test_compressed_dsa_indexer_tail_is_refused_naming_every_page_guard(sgl, mak
     (``StateType.DSA_TAIL``) rides beside the pooled indexer."""
     if not sgl.has_dsa_compress_tail():
         pytest.skip("release has no compressed DSA indexer")
+    from packaging.version import Version
+
+    if Version(str(sgl.SGLANG_VERSION)) < Version("0.5.22"):
+        # the tail needs a pooled indexer (page 128 = 2 x 64); off CUDA 0.5.20-0.5.21 assert
+        # DSA page size 64, so the configuration cannot be built on this CPU test bed
+        pytest.skip("0.5.20-0.5.21 off CUDA: DSA page size 64 only, the compressed tail needs page 128")
     with make_side(role, kv_pool=sgl.make_dsa_compress_pool, page_size=128, num_tokens=1024) as side:
         kv_args, _ = hpc.transfer_kv_args(side.scheduler)
         assert [str(t.value) for t in kv_args.state_types] == ["dsa", "dsa_tail"]
