@@ -60,6 +60,7 @@ pytestmark = pytest.mark.server
 REQUESTS = int(os.environ.get("KVGUARD_TOPOLOGY_REQUESTS", "80"))
 SEED = int(os.environ.get("KVGUARD_SOAK_SEED", "0"))
 BOOTSTRAP_TIMEOUT = 30  # see test_chaos_soak.py
+WAITING_TIMEOUT = 45  # see test_chaos_soak.py
 BOUND_S = 120.0
 RELEASES_ENV = "KVGUARD_TOPOLOGY_RELEASES"
 
@@ -90,7 +91,8 @@ def topology(pd_factory, weighted_tiny_model, release):
     return pd_factory("topology", launcher="sglang_kvguard.launch_server", model=weighted_tiny_model,
                       load_format="auto", prefill_nodes=2, decode_nodes=2,
                       prefill_extra_args=extra, decode_extra_args=extra,
-                      env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT)})
+                      env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT),
+                           "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT)})
 
 
 def test_two_prefills_two_decodes_no_hang_no_leak_no_foreign_kv(topology, release, tmp_path):
