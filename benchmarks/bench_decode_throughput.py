@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from _meta import git_commit  # noqa: E402
 from server_tier import CONTEXT_LENGTH, CPU_SHIM_DIR, CPU_SHIM_PLUGIN, DECODE_POOL, STUBS_DIR, VOCAB  # noqa: E402
 
-from sglang_kvguard.demo.deployment import PDDeployment  # noqa: E402
+from sglang_kvguard.demo.deployment import PDDeployment, has_sleep_on_idle  # noqa: E402
 from sglang_kvguard.demo.tinymodel import make_tiny_model, prompt_of_tokens  # noqa: E402
 
 
@@ -83,17 +83,6 @@ def _ci95(xs):
     return mean, t * statistics.stdev(xs) / len(xs) ** 0.5
 
 
-def _has_sleep_on_idle() -> bool:
-    """Whether this interpreter's SGLang has --sleep-on-idle (read, not imported)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    path = Path(list(spec.submodule_search_locations)[0]) / "srt" / "server_args.py"
-    return "sleep_on_idle" in path.read_text()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=10)
@@ -110,7 +99,7 @@ def main() -> None:
         context_length=CONTEXT_LENGTH, sglang_plugins=[CPU_SHIM_PLUGIN],
         extra_pythonpath=[CPU_SHIM_DIR, STUBS_DIR], env={"KVGUARD_AUTO_INSTALL": "0"},
     )
-    sleep = ["--sleep-on-idle"] if _has_sleep_on_idle() else []
+    sleep = ["--sleep-on-idle"] if has_sleep_on_idle() else []
     common.update(prefill_extra_args=sleep, decode_extra_args=sleep)
     sides = {"unguarded": "sglang.launch_server", "guarded": "sglang_kvguard.launch_server"}
     rounds = {k: [] for k in sides}

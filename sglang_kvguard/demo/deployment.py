@@ -255,6 +255,18 @@ class ReleaseInfo:
 _probe_cache: Dict[str, ReleaseInfo] = {}
 
 
+def has_sleep_on_idle() -> bool:
+    """Whether this interpreter's SGLang has ``--sleep-on-idle`` (0.5.10-0.5.19; read from
+    its ``server_args.py``, not imported): an idle scheduler then stops busy-polling."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = Path(list(spec.submodule_search_locations)[0]) / "srt" / "server_args.py"
+    return "sleep_on_idle" in path.read_text()
+
+
 def probe_release(python: str = sys.executable) -> ReleaseInfo:
     """Read (without importing SGLang) what the installed release supports."""
     if python in _probe_cache:

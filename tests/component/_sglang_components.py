@@ -636,6 +636,28 @@ class PDSide:
         return make_req(input_len, **kwargs)
 
 
+def start_bootstrap_server(wait_s: float = 5.0):
+    """SGLang's real ``CommonKVBootstrapServer`` on a free loopback port, once it answers
+    ``/health`` (at most ``wait_s``): ``(server, port)``; the caller closes it."""
+    import time
+    import urllib.request
+
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+
+    from sglang_kvguard.demo.deployment import free_ports
+
+    port = free_ports(1)[0]
+    server = CommonKVBootstrapServer("127.0.0.1", port)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return server, port
+
+
 def make_metadata_buffers(size: int, *, hidden_size: int = 16):
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
 

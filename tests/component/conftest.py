@@ -212,21 +212,7 @@ def install_kvguard(monkeypatch):
 @pytest.fixture
 def bootstrap_server(sgl):
     """SGLang's real ``CommonKVBootstrapServer`` on a free loopback port; yields the port."""
-    import time
-    import urllib.request
-
-    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
-
-    from sglang_kvguard.demo.deployment import free_ports
-
-    port = free_ports(1)[0]
-    server = CommonKVBootstrapServer("127.0.0.1", port)
-    for _ in range(50):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-            break
-        except OSError:
-            time.sleep(0.1)
+    server, port = sgl.start_bootstrap_server()
     try:
         yield port
     finally:

@@ -71,23 +71,10 @@ def _register(port: int, tp_size: int, rank_ports) -> None:
             assert resp.status == 200
 
 
-def _bootstrap(tp_size: int):
-    import time
-    import urllib.request
-
+def _bootstrap(sgl, tp_size: int):
     import zmq
-    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
-    from sglang_kvguard.demo.deployment import free_ports
-
-    port = free_ports(1)[0]
-    server = CommonKVBootstrapServer("127.0.0.1", port)
-    for _ in range(50):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-            break
-        except OSError:
-            time.sleep(0.1)
+    server, port = sgl.start_bootstrap_server()
     ctx = zmq.Context.instance()
     socks = []
     for _ in range(tp_size):
@@ -107,7 +94,7 @@ def _one_case(sgl, prefill_tp: int, decode_tp: int, mla: bool, room: int) -> dic
     from sglang_kvguard.guards import transfer_checksum as tcs
     from sglang_kvguard.guards import transfer_coverage as tcov
 
-    server, port, socks = _bootstrap(prefill_tp)
+    server, port, socks = _bootstrap(sgl, prefill_tp)
     fields = dict(disaggregation_mode="decode", disaggregation_transfer_backend="fake", page_size=PAGE)
     with sgl.torch_alloc_kernels() as shims, sgl.sglang_config(**fields) as server_args:
         kw = {"kv_pool": sgl.make_mla_pool} if mla else {}

@@ -497,20 +497,7 @@ class PDPair:
     @contextlib.contextmanager
     def _bootstrap_server(self):
         """SGLang's real bootstrap server (after kvguard's install, which marks its route)."""
-        import urllib.request
-
-        from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
-
-        from sglang_kvguard.demo.deployment import free_ports
-
-        port = free_ports(1)[0]
-        server = CommonKVBootstrapServer("127.0.0.1", port)
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.05)
+        server, port = self.sgl.start_bootstrap_server()
         try:
             yield port
         finally:

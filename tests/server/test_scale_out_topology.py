@@ -43,15 +43,13 @@ where the release has it, 0.5.10-0.5.19). ``KVGUARD_TOPOLOGY_RELEASES=0.5.10`` (
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 
-from sglang_kvguard.demo.deployment import http_request
+from sglang_kvguard.demo.deployment import has_sleep_on_idle, http_request
 from sglang_kvguard.tools.soak import ChaosEvent, SoakConfig, render, run_soak
 from test_admission_load import ARGS
 
@@ -63,14 +61,6 @@ BOOTSTRAP_TIMEOUT = 30  # see test_chaos_soak.py
 WAITING_TIMEOUT = 45  # see test_chaos_soak.py
 BOUND_S = 120.0
 RELEASES_ENV = "KVGUARD_TOPOLOGY_RELEASES"
-
-
-def _has_sleep_on_idle() -> bool:
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    path = Path(list(spec.submodule_search_locations)[0]) / "srt" / "server_args.py"
-    return "sleep_on_idle" in path.read_text()
 
 
 def _events(url: str, event: str) -> float:
@@ -87,7 +77,7 @@ def topology(pd_factory, weighted_tiny_model, release):
     if "all" not in chosen and release.version not in chosen:
         pytest.skip(f"the 2P+2D topology soak is red until prefill tells decode about requests it ends in its "
                     f"bootstrap queue (issue #18, see the module docstring); {RELEASES_ENV}=X or 'all' runs it")
-    extra = ARGS + (["--sleep-on-idle"] if _has_sleep_on_idle() else [])
+    extra = ARGS + (["--sleep-on-idle"] if has_sleep_on_idle() else [])
     return pd_factory("topology", launcher="sglang_kvguard.launch_server", model=weighted_tiny_model,
                       load_format="auto", prefill_nodes=2, decode_nodes=2,
                       prefill_extra_args=extra, decode_extra_args=extra,
