@@ -18,6 +18,19 @@ kvguard (design: docs/design/admission-notify.md), Mooncake backend:
   substitutes the original message and status (400), so the client of the router
   gets the prefill's 400 within a second or two, and decode releases its pages
   through upstream's abort path.
+
+The same notice covers a room that prefill *ends* before sending any of its KV: an
+abort (``/abort_request``, a client that hung up) or upstream's bootstrap timeout in
+the bootstrap queue. No release up to 0.5.23 tells decode then either: decode keeps
+its reservation in ``WaitingForInput`` until its own waiting timeout (300 s by
+default) and the router's client waits with it; a decode whose handshake comes after
+prefill gave up (its prealloc queue was full) waits the same. The hook is the
+sender's ``failure_exception`` (prefill calls it for every failed room, every
+release): if nothing was sent yet (``curr_idx == 0``; a transfer that started fails
+through upstream's own path, which tells decode), decode is told now if its transfer
+info is known, else when it arrives (the same ``update_status`` hook). A sender that
+does not own its room (0.5.23's duplicate room) tells nobody: the room is another
+request's.
 """
 
 from __future__ import annotations
@@ -58,6 +71,13 @@ CHECK_CAPACITY = target(
     "disagg.prefill.PrefillBootstrapQueue._check_if_req_exceed_kv_capacity",
     "sglang.srt.disaggregation.prefill:PrefillBootstrapQueue._check_if_req_exceed_kv_capacity",
     why="prefill: upstream's own capacity rejection before a sender exists (every release)",
+)
+SENDER_FAILURE = target(
+    "mooncake.MooncakeKVSender.failure_exception",
+    "sglang.srt.disaggregation.mooncake.conn:MooncakeKVSender.failure_exception",
+    "sglang.srt.disaggregation.mooncake.conn:MooncakeFailureExceptionMixin.failure_exception",
+    "sglang.srt.disaggregation.common.conn:CommonKVSender.failure_exception",
+    why="prefill: a room ends before any of its KV was sent (abort, bootstrap timeout): decode is told",
 )
 PREPARE_ABORT = target(
     "disagg.utils.prepare_abort",
@@ -122,7 +142,8 @@ def _socket(endpoint: str, port: int):
     return _push.get(endpoint, port)
 
 
-def _send_notices(kv, room: int, status: int, message: str) -> int:
+def _send_notices(kv, room: int, status: int, message: str, event: str = "rejection_notices",
+                  what: str = "was rejected") -> int:
     """Send notice + Failed to every decode endpoint known for ``room``; returns how many."""
     import zmq
 
@@ -146,8 +167,8 @@ def _send_notices(kv, room: int, status: int, message: str) -> int:
             getattr(kv, attr, {}).pop(room, None)
         from .. import metrics
 
-        metrics.count("rejection_notices", n=sent)
-        log.info("told %d decode endpoint(s) that room %s was rejected: %s", sent, room, message)
+        metrics.count(event, n=sent)
+        log.info("told %d decode endpoint(s) that room %s %s: %s", sent, room, what, message)
     return sent
 
 
@@ -233,13 +254,70 @@ def _on_door_drain(queue, req) -> None:
     note_prefill_rejection(getattr(queue, "kv_manager", None), req, queue)
 
 
+ROOM_END = "ended by prefill before any KV was sent"
+
+
+def _is_mooncake_sender(sender) -> bool:
+    try:
+        from sglang.srt.disaggregation.base.conn import BaseKVSender
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    except Exception:  # noqa: BLE001
+        return False
+    return isinstance(sender, BaseKVSender) and isinstance(getattr(sender, "kv_mgr", None), MooncakeKVManager)
+
+
+def note_prefill_room_end(sender) -> str:
+    """Prefill: ``sender``'s room failed. If none of its KV was sent, tell decode (now,
+    or when decode's transfer info arrives). Returns what was done, for tests/logs."""
+    if not _is_mooncake_sender(sender):
+        return "not a Mooncake sender"
+    if getattr(sender, "_owns_bootstrap_room", True) is False:
+        return "room owned by another sender"
+    if int(getattr(sender, "curr_idx", 0) or 0) > 0:
+        return "a transfer started: upstream's transfer path tells decode"
+    kv, room = sender.kv_mgr, getattr(sender, "bootstrap_room", None)
+    if room is None:
+        return "no room"
+    with getattr(kv, "failure_lock", _lock):
+        reason = getattr(kv, "failure_records", {}).get(room)
+    message = (f"prefill ended the request before sending its KV cache: "
+               f"{reason or 'it failed on another prefill rank'}")
+    with _lock:
+        pending = kv.__dict__.setdefault("_kvguard_rejected", {})
+        done = kv.__dict__.setdefault("_kvguard_room_end_told", {})
+        _prune(pending)
+        _prune(done)
+        if room in pending or room in done:
+            return "already noted"
+        infos = getattr(kv, "transfer_infos", {}).get(room)
+        if infos and _send_notices(kv, room, 500, message, "room_end_notices", ROOM_END):
+            done[room] = (time.monotonic(),)
+            return "told decode"
+        pending[room] = (500, message, "room_end_notices", ROOM_END, time.monotonic())
+        return "decode is told when its transfer info arrives"
+
+
+def _sender_failure(original: Callable) -> Callable:
+    def failure_exception(self, *args, **kwargs):
+        try:
+            note_prefill_room_end(self)
+        except Exception as exc:  # noqa: BLE001 - never break the scheduler thread
+            log.warning("kvguard: could not note the end of room %s for decode: %s",
+                        getattr(self, "bootstrap_room", "?"), exc)
+        return original(self, *args, **kwargs)
+
+    return failure_exception
+
+
 def _update_status(original: Callable) -> Callable:
     def update_status(self, bootstrap_room, status, *args, **kwargs):
         pending = self.__dict__.get("_kvguard_rejected")
         if pending and int(status) == 2 and bootstrap_room in pending:  # KVPoll.WaitingForInput
             with _lock:
                 entry = pending.pop(bootstrap_room, None)
-                if entry is not None and _send_notices(self, bootstrap_room, entry[0], entry[1]):
+                if entry is not None and _send_notices(self, bootstrap_room, entry[0], entry[1], *entry[2:-1]):
+                    if len(entry) > 3:  # a room prefill ended: remember that decode was told
+                        self.__dict__.setdefault("_kvguard_room_end_told", {})[bootstrap_room] = (time.monotonic(),)
                     return None
                 if entry is not None:
                     pending[bootstrap_room] = entry
@@ -316,13 +394,14 @@ def _retire_unadmitted(original: Callable) -> Callable:
 
 class RejectionNoticeGuard(Guard):
     name = "rejection_notice"
-    protects = "decode learns at once, with the original error, that prefill rejected a request (Mooncake)"
-    targets = (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT, CHECK_CAPACITY, admission_drain.UPSTREAM_RETIRE)
+    protects = ("decode learns at once, with the original error, that prefill rejected or ended a request "
+                "before sending its KV (Mooncake)")
+    targets = (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT, CHECK_CAPACITY, SENDER_FAILURE, admission_drain.UPSTREAM_RETIRE)
 
     def decide(self, ctx) -> Decision:
-        for t in (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT, CHECK_CAPACITY):
+        for t in (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT, CHECK_CAPACITY, SENDER_FAILURE):
             ctx.require(t.key)
-        patches = [UPDATE_STATUS.key, HANDLE_AUX.key, PREPARE_ABORT.key, CHECK_CAPACITY.key]
+        patches = [UPDATE_STATUS.key, HANDLE_AUX.key, PREPARE_ABORT.key, CHECK_CAPACITY.key, SENDER_FAILURE.key]
         if ctx.has(admission_drain.UPSTREAM_RETIRE.key):
             ctx.require(admission_drain.UPSTREAM_RETIRE.key)
             patches.append(admission_drain.UPSTREAM_RETIRE.key)
@@ -340,6 +419,7 @@ class RejectionNoticeGuard(Guard):
             HANDLE_AUX.key: _handle_aux_data,
             PREPARE_ABORT.key: _prepare_abort,
             CHECK_CAPACITY.key: _check_capacity,
+            SENDER_FAILURE.key: _sender_failure,
             admission_drain.UPSTREAM_RETIRE.key: _retire_unadmitted,
         }
 
