@@ -321,6 +321,16 @@ def _update_status(original: Callable) -> Callable:
                     return None
                 if entry is not None:
                     pending[bootstrap_room] = entry
+        if (int(status) == 0 and bootstrap_room in _received  # KVPoll.Failed, after a kvguard notice
+                and bootstrap_room not in getattr(self, "request_status", {bootstrap_room: None})):
+            # decode: the notice's Failed for a room this decode already ended itself
+            # (the client's abort reached both nodes). Up to 0.5.18 upstream would store
+            # it for good (request_status and failure_records, never cleared again): drop it.
+            with _received_cv:
+                _received.pop(bootstrap_room, None)
+            with getattr(self, "failure_lock", _lock):
+                getattr(self, "failure_records", {}).pop(bootstrap_room, None)
+            return None
         return original(self, bootstrap_room, status, *args, **kwargs)
 
     return update_status

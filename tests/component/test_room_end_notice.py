@@ -172,3 +172,55 @@ def test_the_notice_counts_and_is_sent_once(sgl, kvguard, decode_endpoint):
     assert rejection_notice.note_prefill_room_end(s) == "already noted"
     _decode_registers(kv, 91006, port, KVPoll)
     assert _frames(sock, 1) == []
+
+
+def _decode_manager():
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    kv = MooncakeKVManager.__new__(MooncakeKVManager)
+    kv.__dict__.update(request_status={}, failure_records={}, failure_lock=threading.Lock())
+    return kv
+
+
+def _decode_thread_gets(kv, frames):
+    """What decode's Mooncake thread does with the two messages (every release): the AUX
+    frame goes to ``_handle_aux_data``; the 3-frame ``Failed`` is recorded as a failure
+    and set as the room's status."""
+    aux, status = frames
+    kv._handle_aux_data(aux)
+    room = int(status[0].decode("ascii"))
+    kv.record_failure(room, "Failed to get kvcache from prefill instance, it might be dead")
+    kv.update_status(room, int(status[1].decode("ascii")))  # upstream passes the int on
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["unguarded", "guarded"])
+def test_notice_for_a_room_decode_already_ended_leaves_nothing_on_decode(sgl, decode_endpoint, guarded, request):
+    """The client's abort reaches both nodes: decode ends (and clears) its room itself,
+    prefill ends its room and tells decode. That Failed must not be stored on decode for
+    good: up to 0.5.18 upstream's ``update_status`` stores a Failed for a room it no longer
+    knows, and ``failure_records`` keeps the reason, never cleared again (one entry per
+    aborted request on a long-running decode)."""
+    import sglang_kvguard
+
+    sock, port = decode_endpoint
+    room = 91007
+    kv, KVPoll = _manager()
+    kv.transfer_infos[room] = {"decode-session": types.SimpleNamespace(
+        endpoint="127.0.0.1", dst_port=port, mooncake_session_id="decode-session")}
+    if guarded:
+        sglang_kvguard.install()
+        request.addfinalizer(sglang_kvguard.uninstall)
+        _fail(_sender(kv, room), "Aborted by AbortReq.")
+        frames = _frames(sock)
+    else:  # the same two messages, built by the guard's own sender on a throwaway manager
+        from sglang_kvguard.guards import rejection_notice
+
+        rejection_notice._send_notices(kv, room, 500, "prefill ended the request: Aborted by AbortReq.")
+        frames = _frames(sock)
+    dkv = _decode_manager()  # decode already ended the room: nothing left for it
+    _decode_thread_gets(dkv, frames)
+    if guarded:
+        assert room not in dkv.request_status and room not in dkv.failure_records
+    else:
+        leaked = room in dkv.failure_records or room in dkv.request_status
+        assert leaked, "upstream no longer stores a Failed for an unknown room: drop kvguard's clean-up"
