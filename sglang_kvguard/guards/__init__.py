@@ -1,6 +1,7 @@
 """One module per guard. ``GUARDS`` is the order in which they appear everywhere."""
 
 from .abort_before_arrival import AbortBeforeArrivalGuard
+from .abort_state_release import AbortStateReleaseGuard
 from .admission_drain import AdmissionDrainGuard
 from .decode_admission_fit import DecodeAdmissionFitGuard
 from .decode_deferred_release import DecodeDeferredReleaseGuard
@@ -42,5 +43,6 @@ GUARDS = [
     EmptyPromptGuard,
     FlushBarrierGuard,
     AbortBeforeArrivalGuard,
+    AbortStateReleaseGuard,
     InputLimitMessageGuard,
 ]
