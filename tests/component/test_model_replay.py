@@ -1003,6 +1003,8 @@ class Replay:
             req.set_extend_range(start, end)
         elif "extend_end" in vars(req):
             req.extend_end = end
+        elif "fill_len" in vars(req):  # 0.5.13-0.5.14: fill_ids is a view of the first fill_len tokens
+            req.fill_len = end
         else:
             req.fill_ids = list(req.origin_input_ids[:end]) + list(req.output_ids)
         return loc
