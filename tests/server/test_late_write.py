@@ -21,7 +21,8 @@ until the free list runs out, then hand out the lowest page ids first.
    (SIGCONT): it fails A before V's next step. At about token 768, V has used the
    48 pages left on the free list and gets the lowest ids set aside: A's, if decode
    gave them back.
-4. At V's 800th token (as the client sees it) the gate opens: A's KV lands, over Mooncake, in A's old
+4. Once decode's log shows V's sequence at 800 tokens (or the client sees V's 800th
+   token, whichever is first) the gate opens: A's KV lands, over Mooncake, in A's old
    decode pages.
 
 * Without the decode guard (``decode_destination_hold`` up to 0.5.20,
@@ -66,6 +67,12 @@ A_TOKENS, V_TOKENS, V_NEW = 240, 16, 1000
 # V had ended with the gate at 850), so the gate opens 200 tokens before V ends; the
 # decode scheduler is then at least at token 800, 2 pages into A's old pages
 GATE_AT = 800
+# ... and decode's own batch log line opens it sooner: once V's sequence holds GATE_SEQ
+# tokens (2 pages into A's old pages), read from "Decode batch, #running-req: 1,
+# #token: N" (every 30-50 tokens), which does not wait for the client. In a CI
+# rehearsal on 2 cores the client saw V's 800th token after decode had finished V.
+GATE_SEQ = 800
+DECODE_PROGRESS = re.compile(r"Decode batch[^\n]*?#running-req: 1, #(?:full )?token: (\d+)")
 RELEASE_TIMEOUT_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "0.2"}
 
 
@@ -143,7 +150,25 @@ def _scenario(d, gate) -> tuple:
         if n >= GATE_AT and not gate.exists():
             gate.write_text("go")
 
-    v = _stream(d.router_url, _v_payload(), on_tokens)
+    log_start = len(d.log_text("decode"))
+    stop = threading.Event()
+
+    def watch_decode() -> None:
+        while not stop.is_set() and not gate.exists():
+            if len(threads) > 1:  # A's transfer has failed: the write may land once V is in A's pages
+                seq = [int(x) for x in DECODE_PROGRESS.findall(d.log_text("decode")[log_start:])]
+                if seq and max(seq) >= GATE_SEQ:
+                    gate.write_text("go")
+                    return
+            stop.wait(0.05)
+
+    watcher = threading.Thread(target=watch_decode, daemon=True, name="late-write-gate")
+    watcher.start()
+    try:
+        v = _stream(d.router_url, _v_payload(), on_tokens)
+    finally:
+        stop.set()
+        watcher.join(5)
     v["ended_at"] = time.strftime("%H:%M:%S", time.localtime())
     for t in threads:
         t.join(120)
