@@ -258,13 +258,10 @@ _probe_cache: Dict[str, ReleaseInfo] = {}
 def has_sleep_on_idle() -> bool:
     """Whether this interpreter's SGLang has ``--sleep-on-idle`` (0.5.10-0.5.19; read from
     its ``server_args.py``, not imported): an idle scheduler then stops busy-polling."""
-    import importlib.util
+    from ..engine.runtime import module_file
 
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    path = Path(list(spec.submodule_search_locations)[0]) / "srt" / "server_args.py"
-    return "sleep_on_idle" in path.read_text()
+    path = module_file("sglang.srt.server_args")
+    return path is not None and "sleep_on_idle" in path.read_text()
 
 
 def probe_release(python: str = sys.executable) -> ReleaseInfo:
