@@ -22,6 +22,13 @@ sent yet. When a request with that rid is then sent to the scheduler
 ``AbortReq`` right behind it, once: the scheduler aborts it through upstream's paths
 and the client gets upstream's abort answer at once. A later request reusing the rid
 (a router retry) is not touched.
+
+An abort for a rid that this node has already sent to its scheduler (within the same
+120 s) and that is no longer known is *not* remembered: the request it names has
+already ended here, and remembering it would abort the router's retry of that request
+on this node alone (seen in CI on 0.5.19, ``test_abort_phases``: prefill ended the
+first attempt, decode answered 500, the gateway's abort reached decode after that, and
+decode aborted the retry while prefill kept its half in the bootstrap queue).
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ DISPATCHED = "_kvguard_dispatched"  # set on upstream's ReqState once its reques
 
 _lock = threading.Lock()
 _early: "OrderedDict[str, float]" = OrderedDict()  # rid -> monotonic time of the abort
+_sent: "OrderedDict[str, float]" = OrderedDict()  # rid -> monotonic time it was sent to the scheduler
 
 
 def remember(rid: str, now: float = None) -> None:
@@ -67,8 +75,7 @@ def remember(rid: str, now: float = None) -> None:
     with _lock:
         _early.pop(rid, None)
         _early[rid] = now
-        while _early and (len(_early) > MAX_REMEMBERED or now - next(iter(_early.values())) > REMEMBER_FOR):
-            _early.popitem(last=False)
+        _expire(_early, now)
 
 
 def take(rid: str, now: float = None):
@@ -81,6 +88,28 @@ def take(rid: str, now: float = None):
     return t
 
 
+def _expire(table: "OrderedDict[str, float]", now: float) -> None:
+    while table and (len(table) > MAX_REMEMBERED or now - next(iter(table.values())) > REMEMBER_FOR):
+        table.popitem(last=False)
+
+
+def sent(rid: str, now: float = None) -> None:
+    """``rid`` was sent to this node's scheduler."""
+    now = time.monotonic() if now is None else now
+    with _lock:
+        _sent.pop(rid, None)
+        _sent[rid] = now
+        _expire(_sent, now)
+
+
+def ran_here(rid: str, now: float = None) -> bool:
+    """Whether a request ``rid`` was sent to this node's scheduler within the window."""
+    now = time.monotonic() if now is None else now
+    with _lock:
+        t = _sent.get(rid)
+    return t is not None and now - t <= REMEMBER_FOR
+
+
 def remembered() -> int:
     with _lock:
         return len(_early)
@@ -89,13 +118,17 @@ def remembered() -> int:
 def reset() -> None:
     with _lock:
         _early.clear()
+        _sent.clear()
 
 
 def _abort_request(original: Callable) -> Callable:
     def abort_request(self, rid: str = "", abort_all: bool = False, *args, **kwargs):
         if rid and not abort_all:
             state = getattr(self, "rid_to_state", {}).get(rid)
-            if state is None or not getattr(state, DISPATCHED, False):
+            if state is None and ran_here(rid):
+                log.info("kvguard abort_before_arrival: abort of rid=%s, a request that already ended on this "
+                         "node; not remembered (a retry with that rid is not aborted here)", rid)
+            elif state is None or not getattr(state, DISPATCHED, False):
                 remember(rid)
         return original(self, rid, abort_all, *args, **kwargs)
 
@@ -109,6 +142,7 @@ def _after_dispatch(tm, rids) -> None:
         state = tm.rid_to_state.get(rid)
         if state is not None:
             setattr(state, DISPATCHED, True)
+        sent(rid)
         t = take(rid)
         if t is None:
             continue

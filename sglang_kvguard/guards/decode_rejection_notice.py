@@ -28,6 +28,20 @@ kvguard, Mooncake backend (design: docs/design/admission-notify.md):
   (``record_failure`` + ``update_status(Failed)`` -> poll ``Failed`` ->
   ``prepare_abort``), where kvguard substitutes the original message and status
   (400). The request never reached the waiting queue, so nothing was prefilled.
+
+The same notice goes out when decode aborts a room that has not concluded
+(``/abort_request``, a client that went away; ``MooncakeKVReceiver.abort`` on 0.5.10,
+``CommonKVReceiver.abort`` from 0.5.11, Mooncake managers only), status 500, "decode
+aborted the request: <reason>". Upstream's own word does not survive a prefill whose
+half of the request has not arrived yet: 0.5.10-0.5.12 send nothing; from 0.5.13
+prefill drops the ``ABORT`` of an unknown room, or marks a room that only has
+decode's transfer info ``Failed``, which the sender created for the arriving request
+sets back to ``Bootstrapping``. Prefill then kept its half in the bootstrap queue until
+the bootstrap timeout (300 s) and the router's client waited (CI, 0.5.19,
+``test_abort_phases``: a router retry aborted on decode alone; reproduced in
+``test_a_decode_abort_that_overtakes_the_prefill_half_ends_it``, both before and
+after decode's handshake). A room already past prefill's bootstrap queue is left to
+upstream's ``ABORT``; its notice expires unused.
 """
 
 from __future__ import annotations
@@ -64,6 +78,12 @@ BOOTSTRAP_ADDR = target(
     "disagg.decode._bootstrap_addr",
     "sglang.srt.disaggregation.decode:_bootstrap_addr",
     why="decode: the prefill bootstrap server a request belongs to (read, not patched)",
+)
+RECEIVER_ABORT = target(
+    "mooncake.MooncakeKVReceiver.abort",
+    "sglang.srt.disaggregation.mooncake.conn:MooncakeKVReceiver.abort",
+    "sglang.srt.disaggregation.common.conn:CommonKVReceiver.abort",
+    why="decode: a room aborted before its transfer info reached prefill; prefill is told (Mooncake managers)",
 )
 _lock = threading.Lock()
 # prefill side: room -> (status, message, time received)
@@ -185,6 +205,16 @@ def _get_notifier() -> _Notifier:
         return n
 
 
+def notify_room(kv_manager, addr: str, room, status: int, message: str) -> bool:
+    """Queue a notice for ``room`` to the prefill at bootstrap address ``addr``."""
+    local_ip, rank_port = getattr(kv_manager, "local_ip", None), getattr(kv_manager, "rank_port", None)
+    if local_ip is None or rank_port is None or room is None or not addr:
+        return False
+    frames = encode(int(room), local_ip, rank_port, status, message)
+    _get_notifier().submit((addr, int(room), frames, message))
+    return True
+
+
 def notify_prefill(prealloc_queue, req) -> bool:
     """Decode door: queue a notice for the request's prefill; never blocks or raises."""
     try:
@@ -195,18 +225,63 @@ def notify_prefill(prealloc_queue, req) -> bool:
         host = getattr(req, "bootstrap_host", None)
         if room is None or host is None or host == FAKE_BOOTSTRAP_HOST:
             return False
-        kv = getattr(prealloc_queue, "kv_manager", None)
-        local_ip, rank_port = getattr(kv, "local_ip", None), getattr(kv, "rank_port", None)
-        if local_ip is None or rank_port is None:
-            return False
         status, message = rejection_notice._reason(req)
-        addr = decode_mod._bootstrap_addr(req)
-        frames = encode(room, local_ip, rank_port, status, message)
-        _get_notifier().submit((addr, int(room), frames, message))
-        return True
+        return notify_room(getattr(prealloc_queue, "kv_manager", None), decode_mod._bootstrap_addr(req), room,
+                           status, message)
     except Exception as exc:  # noqa: BLE001 - never break the scheduler thread
         log.warning("kvguard: could not queue the decode rejection notice: %s", exc)
         return False
+
+
+ABORT_NOTICED = "_kvguard_abort_noticed"
+
+
+def _is_mooncake(kv_manager) -> bool:
+    return any(c.__name__ == "MooncakeKVManager" for c in type(kv_manager).__mro__)
+
+
+def notify_abort(receiver) -> bool:
+    """Decode aborted ``receiver``'s room before it concluded: tell its prefill.
+
+    Upstream's own word to prefill does not survive a prefill that does not know the
+    room yet, the case of a request whose decode half is aborted before its prefill
+    half arrives (a router retry aborted on decode alone; a gateway abort that reaches
+    decode first): 0.5.10-0.5.12 send nothing; from 0.5.13 prefill drops the ``ABORT``
+    of an unknown room, or marks a room that only has decode's transfer info ``Failed``
+    and the sender created for the arriving request sets it back to ``Bootstrapping``.
+    Either way prefill keeps that half in its bootstrap queue until its bootstrap
+    timeout (300 s), and the router's client waits with it. A kvguard notice is kept
+    by prefill and fails the room in its bootstrap queue when the request is there;
+    a room that is already past the bootstrap queue is left to upstream's ``ABORT``."""
+    try:
+        if getattr(receiver, ABORT_NOTICED, False):
+            return False
+        kv = getattr(receiver, "kv_mgr", None)
+        room = getattr(receiver, "bootstrap_room", None)
+        addr = getattr(receiver, "bootstrap_addr", None)
+        if kv is None or room is None or not addr or not _is_mooncake(kv):
+            return False
+        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+        if str(addr).startswith(str(FAKE_BOOTSTRAP_HOST)):
+            return False
+        setattr(receiver, ABORT_NOTICED, True)
+        reason = (getattr(kv, "failure_records", None) or {}).get(room) or "Aborted by AbortReq."
+        return notify_room(kv, addr, room, 500, f"decode aborted the request: {reason}")
+    except Exception as exc:  # noqa: BLE001 - never break the scheduler thread
+        log.warning("kvguard: could not queue the decode abort notice: %s", exc)
+        return False
+
+
+def _receiver_abort(original: Callable) -> Callable:
+    def abort(self, *args, **kwargs):
+        concluded = getattr(self, "conclude_state", None) is not None
+        out = original(self, *args, **kwargs)
+        if not concluded:  # a room that already ended (Success, or a failure prefill reported) needs no word
+            notify_abort(self)
+        return out
+
+    return abort
 
 
 def _on_decode_drain(prealloc_queue, req) -> None:
@@ -305,14 +380,17 @@ def _pop_bootstrapped(original: Callable) -> Callable:
 
 class DecodeRejectionNoticeGuard(Guard):
     name = "decode_rejection_notice"
-    protects = "prefill learns at once, with the original error, that decode rejected a request (Mooncake)"
+    protects = ("prefill learns at once, with the original error, that decode rejected a request or aborted it "
+                "before its transfer info was sent (Mooncake)")
     targets = (TRANSFER_INFO_FROM_ZMQ, BOOTSTRAP_ADDR, POP_BOOTSTRAPPED, rejection_notice.PREPARE_ABORT,
-               admission_drain.DECODE_DOOR, admission_drain.UPSTREAM_RETIRE)
+               RECEIVER_ABORT, admission_drain.DECODE_DOOR, admission_drain.UPSTREAM_RETIRE)
 
     def decide(self, ctx) -> Decision:
-        for t in (TRANSFER_INFO_FROM_ZMQ, BOOTSTRAP_ADDR, POP_BOOTSTRAPPED, rejection_notice.PREPARE_ABORT):
+        for t in (TRANSFER_INFO_FROM_ZMQ, BOOTSTRAP_ADDR, POP_BOOTSTRAPPED, rejection_notice.PREPARE_ABORT,
+                  RECEIVER_ABORT):
             ctx.require(t.key)
-        patches = [TRANSFER_INFO_FROM_ZMQ.key, POP_BOOTSTRAPPED.key, rejection_notice.PREPARE_ABORT.key]
+        patches = [TRANSFER_INFO_FROM_ZMQ.key, POP_BOOTSTRAPPED.key, rejection_notice.PREPARE_ABORT.key,
+                   RECEIVER_ABORT.key]
         if ctx.has(admission_drain.UPSTREAM_RETIRE.key):
             ctx.require(admission_drain.UPSTREAM_RETIRE.key)
             patches.append(admission_drain.UPSTREAM_RETIRE.key)
@@ -328,6 +406,7 @@ class DecodeRejectionNoticeGuard(Guard):
             TRANSFER_INFO_FROM_ZMQ.key: _from_zmq,
             POP_BOOTSTRAPPED.key: _pop_bootstrapped,
             rejection_notice.PREPARE_ABORT.key: rejection_notice._prepare_abort,
+            RECEIVER_ABORT.key: _receiver_abort,
             admission_drain.UPSTREAM_RETIRE.key: _retire_unadmitted,
         }
 

@@ -157,3 +157,68 @@ def test_no_notice_without_a_real_bootstrap_host(sgl, make_side, kvguard):
     with make_side("decode") as d:
         req = d.new_req(600, bootstrap_room=7002)  # the harness's warm-up host (FAKE_BOOTSTRAP_HOST)
         assert drn.notify_prefill(d.prealloc_queue, req) is False
+
+
+def _receiver(port: int, room: int, *, init_time=None, conclude_state=None):
+    """SGLang's real MooncakeKVReceiver and MooncakeKVManager, built without ``__init__``
+    (which would start a Mooncake engine): only what ``abort()`` reads is set."""
+    import threading
+    import types
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVReceiver
+
+    kv = MooncakeKVManager.__new__(MooncakeKVManager)
+    kv.__dict__.update(request_status={}, failure_records={}, failure_lock=threading.Lock(),
+                       local_ip=_Decode.local_ip, rank_port=_Decode.rank_port)
+    r = MooncakeKVReceiver.__new__(MooncakeKVReceiver)
+    r.__dict__.update(kv_mgr=kv, bootstrap_room=room, bootstrap_addr=f"127.0.0.1:{port}", init_time=init_time,
+                      conclude_state=conclude_state, bootstrap_infos=None, abort_notified=False,
+                      trace_ctx=types.SimpleNamespace(abort=lambda **_: None, trace_req_finish=lambda: None))
+    return r
+
+
+@pytest.mark.parametrize("handshake_sent", [False, True], ids=["before-handshake", "after-handshake"])
+def test_a_decode_abort_tells_the_rooms_prefill(sgl, kvguard, prefill_ranks, handshake_sent):
+    """decode aborts a room (``/abort_request``, a client gone) that has not concluded:
+    prefill, which may not know the room yet, is told, so its half fails when it
+    arrives instead of waiting for the bootstrap timeout (with or without decode's
+    transfer info: upstream's sender sets a room that only has it back to Bootstrapping)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import TransferInfo
+
+    from sglang_kvguard.guards import decode_rejection_notice as drn
+
+    port, socks = prefill_ranks
+    room = 7003  # follow_bootstrap_room: DP rank 1
+    r = _receiver(port, room, init_time=123.0 if handshake_sent else None)
+    r.abort()
+    assert r.conclude_state == KVPoll.Failed  # upstream's own abort ran
+    got = _received(socks)
+    assert sorted(got) == [(1, 0), (1, 1)], got
+    for frames in got.values():
+        drn._notices.pop(room, None)
+        info = TransferInfo.from_zmq(frames)
+        assert info.is_dummy and info.room == room
+        status, message, _ = drn._notices.pop(room)
+        assert status == 500, status
+        assert message == "decode aborted the request: Aborted by AbortReq.", message
+    r.abort()  # told once
+    assert _received(socks, timeout=1.0) == {}
+
+
+def test_an_abort_of_a_concluded_room_is_left_to_upstream(sgl, kvguard, prefill_ranks):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    port, socks = prefill_ranks
+    r = _receiver(port, 7005, init_time=123.0, conclude_state=KVPoll.Success)  # prefill has finished it
+    r.abort()
+    assert _received(socks, timeout=1.0) == {}
+
+
+def test_unguarded_decode_abort_tells_prefill_nothing_it_keeps(sgl, prefill_ranks):
+    """Upstream: nothing reaches prefill (0.5.10-0.5.12), or an ``ABORT`` that a prefill
+    which does not know the room yet drops (0.5.13+; not sent here: no bootstrap infos)."""
+    port, socks = prefill_ranks
+    r = _receiver(port, 7007)
+    r.abort()
+    assert _received(socks, timeout=1.0) == {}

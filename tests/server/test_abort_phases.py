@@ -49,10 +49,9 @@ def _abort(d, rid):
 
 
 def test_aborts_at_every_phase_leave_nothing_behind(guarded, release):
-    if release.version_tuple < (0, 5, 11):
-        pytest.skip("0.5.10 (upstream): sglang-router retries an aborted request with the same rid; prefill's "
-                    "HTTP layer rejects the retry as a duplicate request id, the aborted original stays in "
-                    "prefill, and the client waits past 120 s (seen in this test)")
+    # 0.5.10-0.5.12.post1 (upstream) keep an aborted request's rid in the tokenizer manager, reject
+    # sglang-router's retry with that rid as a duplicate, and the client waited past 120 s here;
+    # kvguard's abort_state_release frees it (this test was skipped there until session 16)
     before = {role: _baseline(guarded, role) for role in ("prefill", "decode")}
     reference = _reference(guarded)
 
@@ -125,3 +124,29 @@ def test_an_abort_that_overtakes_its_request_still_aborts_it(guarded):
     assert r.status in (200, 400, 499, 500, 503), r
     ok = guarded.generate(prompt_of_tokens(40, vocab=VOCAB, offset=1), max_new_tokens=4, timeout=60)
     assert ok.status == 200, ok
+
+
+def test_a_decode_abort_that_overtakes_the_prefill_half_ends_it(guarded):
+    """A request's decode half is aborted before its prefill half reaches prefill (the
+    router's retry of an aborted request, aborted on decode alone, did this in CI on
+    0.5.19). Upstream prefill drops decode's ``ABORT`` for a room it does not know yet
+    (0.5.10-0.5.12 send none) and keeps the half in its bootstrap queue until its
+    bootstrap timeout (300 s); with kvguard, decode's notice is kept and fails it at
+    once. The halves are sent to the nodes directly (as the router does), decode first."""
+    import random
+
+    room = random.getrandbits(62)
+    boot = {"bootstrap_host": guarded.host, "bootstrap_port": guarded.bootstrap_port("prefill"),
+            "bootstrap_room": room}
+    rid = f"kvguard-decode-first-{room}"
+    # reaches decode before the request: kvguard applies it right behind the request
+    http_request(guarded.decode_url + "/abort_request", {"rid": rid}, timeout=30)
+    d = guarded.generate(prompt_of_tokens(120, vocab=VOCAB, offset=3), max_new_tokens=8, url=guarded.decode_url,
+                         timeout=60, rid=rid, **boot)
+    assert d.status != 200 and d.status != 0, d
+    decode_log = guarded.log_text("decode")
+    assert f"rid={rid} reached the scheduler" in decode_log
+    p = guarded.generate(prompt_of_tokens(120, vocab=VOCAB, offset=3), max_new_tokens=8, url=guarded.prefill_url,
+                         timeout=120, rid=rid + "-prefill", **boot)
+    assert p.status != 0 and p.elapsed < 30, p
+    print("decode:", d, "prefill:", p)

@@ -39,3 +39,26 @@ def test_early_aborts_are_bounded():
     early.remember("new", now=1.0 + early.REMEMBER_FOR + 1)  # expires what is older than the window
     assert early.take("old", now=2.0) is None
     early.reset()
+
+
+class _TM:
+    """What the abort wrapper reads from upstream's TokenizerManager: its rid table."""
+
+    def __init__(self):
+        self.rid_to_state = {}
+        self.aborted = []
+
+
+def test_an_abort_for_a_request_that_already_ended_here_is_not_remembered():
+    early.reset()
+    wrapped = early._abort_request(lambda self, rid="", abort_all=False: self.aborted.append(rid))
+    tm = _TM()
+    early.sent("done")  # the first attempt ran on this node and ended (its state is gone)
+    wrapped(tm, "done")
+    assert early.take("done") is None, "the router's retry of an ended request would be aborted on this node alone"
+    wrapped(tm, "never-seen")  # overtakes its request: remembered
+    assert early.take("never-seen") is not None
+    assert tm.aborted == ["done", "never-seen"]  # upstream's own abort_request always runs
+    early.sent("old", now=1.0)
+    assert not early.ran_here("old", now=1.0 + early.REMEMBER_FOR + 1)
+    early.reset()
