@@ -9,7 +9,10 @@ its own free paths and transferred state:
   page spaces, and window pages freed mid-request (``free_swa``);
 * Mamba / linear-attention models (``HybridReqToTokenPool``): a state slot per
   request that the transfer also writes;
-* hisparse, page-interleave, DeepSeek-V4 and other allocators with their own sinks.
+* hisparse, page-interleave, DeepSeek-V4 and other allocators with their own sinks;
+* page layouts across ranks that kvguard has not verified (``layout_gaps``: decode
+  context parallelism, KV cache sharding, context-parallel transfers), for the guards
+  that read or count page contents (``LAYOUT_GUARDS``).
 
 kvguard does not tag, hold or stamp those. Serving such a model with the guards
 "active" would claim a protection the node does not have, so after each PD
@@ -67,6 +70,15 @@ AFFECTED: Dict[str, Dict[str, Tuple[str, ...]]] = {
         STATE: ("decode_destination_hold",),
         BUFFERS: ("destination_canary", "transfer_checksum"),
     },
+}
+
+
+# The guards that read or count a transferred page's content, per role: these assume
+# that a page goes whole from one prefill rank to the matching decode rank (layout_gaps).
+# Holds, generation tags and deferred release act on page ids and are layout-free.
+LAYOUT_GUARDS: Dict[str, Tuple[str, ...]] = {
+    "prefill": ("transfer_checksum",),
+    "decode": ("destination_canary", "transfer_checksum", "transfer_coverage"),
 }
 
 
@@ -159,17 +171,59 @@ def active_guards() -> Optional[set]:
 _NO_KV_ARGS = object()
 
 
-def transfer_kv_args(scheduler):
-    """(KVArgs, draft pool) that this PD scheduler's queue registered with its transfer backend."""
+def layout_gaps(server_args, kv_manager) -> List[str]:
+    """Why this node's KV pages are laid out across ranks in a way kvguard has not
+    verified its page guards on (one reason per layout; empty for the plain one).
+
+    kvguard stamps, digests, tags and holds whole pages at the page ids a transfer
+    carries, with each prefill rank's page going whole to the matching decode rank.
+    These layouts break that assumption and have never run under kvguard (they need
+    several GPUs), so the node refuses rather than calling them covered:
+
+    * decode context parallelism (``--dcp-size`` / ``--decode-context-parallel-size``,
+      0.5.16+; the transfer backend relayouts a DCP-1 prefill's MLA pages token by
+      token across the decode's DCP ranks from 0.5.17);
+    * KV cache sharding (``--enable-kv-cache-sharding``, 0.5.23: no rank holds a whole
+      page, every rank sends its share);
+    * a context-parallel prefill whose every CP rank sends its shard of the KV
+      (``enable_all_cp_ranks_for_transfer`` with ``attn_cp_size`` > 1)."""
+    whys = []
+    dcp = max(int(getattr(server_args, "dcp_size", 1) or 1), int(getattr(kv_manager, "dcp_size", 1) or 1))
+    if dcp > 1:
+        whys.append(f"decode context parallelism (DCP size {dcp}) spreads each page's tokens over {dcp} ranks, "
+                    "and the transfer relayouts a DCP-1 prefill's pages token by token: kvguard has not verified "
+                    "its per-page stamps, digests, tags and holds on that layout")
+    shard = int(getattr(kv_manager, "kv_shard_size", 1) or 1)
+    if shard > 1 or getattr(server_args, "enable_kv_cache_sharding", False):
+        whys.append(f"KV cache sharding (shard size {shard if shard > 1 else '>1'}): no rank holds a whole page and "
+                    "every rank sends its share; kvguard has not verified its page guards on that layout")
+    cp = int(getattr(kv_manager, "attn_cp_size", 1) or 1)
+    if cp > 1 and getattr(kv_manager, "enable_all_cp_ranks_for_transfer", False):
+        whys.append(f"context-parallel transfer (attention CP size {cp}, every CP rank sends its shard of the KV): "
+                    "kvguard has not verified its page guards on that layout")
+    return whys
+
+
+def _pd_queue(scheduler):
     queue = None
     for attr in ("disagg_prefill_bootstrap_queue", "disagg_decode_prealloc_queue"):  # one exists per PD role
         queue = queue or getattr(scheduler, attr, None)
+    return queue
+
+
+def transfer_kv_args(scheduler):
+    """(KVArgs, draft pool) that this PD scheduler's queue registered with its transfer backend."""
+    queue = _pd_queue(scheduler)
     kv_args = getattr(getattr(queue, "kv_manager", None), "kv_args", None)
     return kv_args, getattr(queue, "draft_token_to_kv_pool", None)
 
 
+def scheduler_layout_gaps(scheduler) -> List[str]:
+    return layout_gaps(getattr(scheduler, "server_args", None), getattr(_pd_queue(scheduler), "kv_manager", None))
+
+
 def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Optional[set] = None,
-                kv_args=_NO_KV_ARGS, draft_pool=None) -> str:
+                kv_args=_NO_KV_ARGS, draft_pool=None, layout: Tuple[str, ...] = ()) -> str:
     """Compare the node's pools, and every component its transfers move (``kv_args``: what
     upstream registered with the transfer backend), with the active page guards;
     returns ok/refuse/warn."""
@@ -182,6 +236,10 @@ def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Op
     hit: Dict[str, List[str]] = {}
     for gap, why in gaps:
         for guard in AFFECTED[role][gap]:
+            if active is None or guard in active:
+                hit.setdefault(guard, []).append(why)
+    for why in layout:
+        for guard in LAYOUT_GUARDS[role]:
             if active is None or guard in active:
                 hit.setdefault(guard, []).append(why)
     kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
@@ -244,7 +302,7 @@ def _scheduler_init(policy: str) -> Callable[[Callable], Callable]:
                 return
             kv_args, draft = transfer_kv_args(self)
             check_pools(role, self.token_to_kv_pool_allocator, self.req_to_token_pool, policy,
-                        kv_args=kv_args, draft_pool=draft)
+                        kv_args=kv_args, draft_pool=draft, layout=tuple(scheduler_layout_gaps(self)))
 
         return __init__
 

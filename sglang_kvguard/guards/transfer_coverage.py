@@ -239,6 +239,7 @@ def _fail(decode_req, message: str) -> None:
 class TransferCoverageGuard(Guard):
     name = "transfer_coverage"
     protects = "decode never commits a transfer that covers fewer (or more) tokens or pages than it reserved"
+    suspendable = True  # hybrid_pool_check may switch it off on a node whose page layout it has not verified (warn)
     targets = (PUBLISH, RESERVE, RESERVE_FAKE, COMMIT)
 
     def decide(self, ctx) -> Decision:
