@@ -50,6 +50,10 @@ class PageHold:
         # the per-page report then goes to INFO instead of a second ERROR line.
         self.rooms_report = False
         self.stats = {"diverted": 0, "released": 0, "quarantined": 0, "released_from_quarantine": 0}
+        # A bool per page id, True while pinned (numpy, host memory): the scheduler's
+        # busy-path membership test of a CPU free is one vectorised lookup
+        # (``mask_hit``). None until bound, or when the allocator's size is unknown.
+        self._mask = None
 
     # -- binding
     def bind(self, allocator) -> None:
@@ -58,6 +62,21 @@ class PageHold:
         ps = self.page_size
         # token -> page by shift where the page size is a power of two (cheaper than //)
         self.page_shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else None
+        self._mask = None
+        try:
+            import numpy as np
+
+            pages = int(getattr(allocator, "size", 0) or 0) // ps + 2  # paged allocators use ids 1..size/ps
+            if pages > 2:
+                mask = np.zeros(pages, dtype=bool)
+                with self._lock:
+                    for page in self._pins:
+                        if not 0 <= page < pages:
+                            return  # an id outside the pool: keep the exact path only
+                        mask[page] = True
+                    self._mask = mask
+        except Exception as exc:  # noqa: BLE001 - the exact path works without it
+            log.debug("kvguard page hold (%s): no pinned-page mask: %s", self.role, exc)
 
     def owns(self, allocator) -> bool:
         ref = self._allocator_ref
@@ -66,9 +85,16 @@ class PageHold:
     # -- transfer side (any thread)
     def pin(self, pages: Iterable[int]) -> None:
         with self._lock:
+            mask = self._mask
             for p in pages:
                 p = int(p)
-                self._pins[p] = self._pins.get(p, 0) + 1
+                n = self._pins.get(p, 0)
+                self._pins[p] = n + 1
+                if n == 0 and mask is not None:
+                    if 0 <= p < len(mask):
+                        mask[p] = True
+                    else:  # an id outside the pool: the mask can no longer say "not pinned"
+                        self._mask = mask = None
 
     def unpin(self, pages: Iterable[int]) -> None:
         with self._lock:
@@ -88,8 +114,33 @@ class PageHold:
                         self._quarantined.discard(p)
                         self.stats["released_from_quarantine"] += 1
                 self._pins.pop(p, None)
+                mask = self._mask
+                if mask is not None and 0 <= p < len(mask):
+                    mask[p] = False
                 if n < 0:
                     log.error("kvguard page hold (%s): page %d unpinned more often than pinned", self.role, p)
+
+    def mask_hit(self, ids, shift: Optional[int] = 0) -> Optional[bool]:
+        """Whether a CPU tensor of page ids (``shift`` 0) or token ids (``shift``: the
+        page shift; None: divide by the page size) holds a pinned page, from the mask;
+        None when the mask cannot say (no mask, a device tensor, an id outside it):
+        the caller then takes the exact path. A stale True costs the exact path; a
+        page is never reported unpinned while pinned (the mask is set before a pin is
+        visible to the scheduler and cleared only when its last pin goes)."""
+        mask = self._mask
+        if mask is None:
+            return None
+        try:
+            if ids.device.type != "cpu":
+                return None
+            a = ids.numpy()
+            if shift is None:
+                a = a // self.page_size
+            elif shift:
+                a = a >> shift
+            return bool(mask.take(a).any())  # raises for an id past the end: exact path
+        except Exception:  # noqa: BLE001
+            return None
 
     def touches_pinned(self, pages) -> bool:
         """Whether a tensor of page ids (repeats allowed) holds a pinned page."""
@@ -111,7 +162,7 @@ class PageHold:
         """Split a tensor of page ids: returns those free to release now, holds the rest.
 
         Returns ``pages`` itself when none is pinned (no copy)."""
-        if not self._pins:
+        if not self._pins or self.mask_hit(pages) is False:
             return pages
         ids = pages.tolist()
         with self._lock:

@@ -58,6 +58,7 @@ from ..activation import pd_role
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from . import admission_drain, rejection_notice
+from .decode_destination_hold import START_PREFILL_THREAD
 from .prefill_source_hold import POP_BOOTSTRAPPED
 
 log = logging.getLogger("sglang_kvguard")
@@ -300,6 +301,82 @@ def _retire_unadmitted(original: Callable) -> Callable:
 # ---------------------------------------------------------------------------
 # prefill side
 
+# The room a stored notice's dummy TransferInfo names: never a bootstrap room (those are
+# non-negative), so upstream's transfer worker, which marks the room of a dummy entry
+# Success at its last chunk (even a Failed one, up to 0.5.22), never acts on a notice.
+NOTICE_ROOM = -1
+
+
+class RoomInfos(dict):
+    """One room's decode registrations (Mooncake session id -> TransferInfo), whose
+    views are snapshots.
+
+    Upstream's transfer worker iterates ``transfer_infos[room].values()`` (and the
+    scheduler its ``keys()``) while the bootstrap thread may store into the same dict:
+    a kvguard notice for a room decode aborted mid-transfer does. A plain dict then
+    raises "dictionary changed size during iteration" in the worker, which upstream
+    turns into a dead transfer thread ("Prefill instance ... is dead"): every later
+    transfer hangs, their source pages stay pinned, and the prefill scheduler died on
+    its next allocation (chaos soak on 0.5.10, session 16). Iterating a snapshot
+    never sees the change."""
+
+    __slots__ = ()
+
+    def values(self):
+        return list(dict.values(self))
+
+    def items(self):
+        return list(dict.items(self))
+
+    def keys(self):
+        return list(dict.keys(self))
+
+    def __iter__(self):
+        return iter(list(dict.keys(self)))
+
+
+class Rooms(dict):
+    """``MooncakeKVManager.transfer_infos`` on a prefill: every room's dict is a
+    ``RoomInfos`` (upstream creates them as ``transfer_infos[room] = {}`` or
+    ``transfer_infos.setdefault(room, {})``, on every supported release)."""
+
+    __slots__ = ()
+
+    def __setitem__(self, room, infos):
+        if type(infos) is dict:
+            infos = RoomInfos(infos)
+        dict.__setitem__(self, room, infos)
+
+    def setdefault(self, room, default=None):
+        if type(default) is dict:
+            default = RoomInfos(default)
+        return dict.setdefault(self, room, default)
+
+
+def snapshot_rooms(kv_manager) -> bool:
+    """Make ``kv_manager.transfer_infos`` a ``Rooms`` (before its bootstrap thread
+    starts, while no room is known yet); True if it is one now."""
+    infos = getattr(kv_manager, "transfer_infos", None)
+    if isinstance(infos, Rooms):
+        return True
+    if type(infos) is not dict:
+        log.warning("kvguard decode_rejection_notice: transfer_infos is a %s, not a dict; notices for rooms "
+                    "being transferred are not stored safely", type(infos).__name__)
+        return False
+    rooms = Rooms()
+    for room, per_room in list(infos.items()):
+        rooms[room] = per_room
+    kv_manager.transfer_infos = rooms
+    return True
+
+
+def _start_prefill_thread(original: Callable) -> Callable:
+    def start_prefill_thread(self, *args, **kwargs):
+        snapshot_rooms(self)
+        return original(self, *args, **kwargs)
+
+    return start_prefill_thread
+
 
 def _from_zmq(original: Callable) -> Callable:
     def from_zmq(cls, msg, *args, **kwargs):
@@ -312,7 +389,13 @@ def _from_zmq(original: Callable) -> Callable:
             room, status, message = notice
             with _lock:
                 _notices[room] = (status, message, time.monotonic())
-        return original(cls, msg, *args, **kwargs)
+        info = original(cls, msg, *args, **kwargs)
+        if notice is not None:
+            try:
+                info.room = NOTICE_ROOM
+            except Exception as exc:  # noqa: BLE001
+                log.warning("kvguard: could not neutralise the room of a notice's dummy entry: %s", exc)
+        return info
 
     return from_zmq
 
@@ -383,14 +466,14 @@ class DecodeRejectionNoticeGuard(Guard):
     protects = ("prefill learns at once, with the original error, that decode rejected a request or aborted it "
                 "before its transfer info was sent (Mooncake)")
     targets = (TRANSFER_INFO_FROM_ZMQ, BOOTSTRAP_ADDR, POP_BOOTSTRAPPED, rejection_notice.PREPARE_ABORT,
-               RECEIVER_ABORT, admission_drain.DECODE_DOOR, admission_drain.UPSTREAM_RETIRE)
+               RECEIVER_ABORT, START_PREFILL_THREAD, admission_drain.DECODE_DOOR, admission_drain.UPSTREAM_RETIRE)
 
     def decide(self, ctx) -> Decision:
         for t in (TRANSFER_INFO_FROM_ZMQ, BOOTSTRAP_ADDR, POP_BOOTSTRAPPED, rejection_notice.PREPARE_ABORT,
-                  RECEIVER_ABORT):
+                  RECEIVER_ABORT, START_PREFILL_THREAD):
             ctx.require(t.key)
         patches = [TRANSFER_INFO_FROM_ZMQ.key, POP_BOOTSTRAPPED.key, rejection_notice.PREPARE_ABORT.key,
-                   RECEIVER_ABORT.key]
+                   RECEIVER_ABORT.key, START_PREFILL_THREAD.key]
         if ctx.has(admission_drain.UPSTREAM_RETIRE.key):
             ctx.require(admission_drain.UPSTREAM_RETIRE.key)
             patches.append(admission_drain.UPSTREAM_RETIRE.key)
@@ -407,6 +490,7 @@ class DecodeRejectionNoticeGuard(Guard):
             POP_BOOTSTRAPPED.key: _pop_bootstrapped,
             rejection_notice.PREPARE_ABORT.key: rejection_notice._prepare_abort,
             RECEIVER_ABORT.key: _receiver_abort,
+            START_PREFILL_THREAD.key: _start_prefill_thread,
             admission_drain.UPSTREAM_RETIRE.key: _retire_unadmitted,
         }
 

@@ -123,6 +123,24 @@ ABORT_ACK = target(
     why="prefill, 0.5.19+: upstream's ack that an aborted room drained (withheld for a failed send)",
 )
 ALLOC_WAIT = 5.0  # seconds a failed allocation waits for held pages' transfers to drain
+PEER_WAIT_MAX = 30.0  # at most this long for a failed send's peer to be confirmed gone
+
+
+def alloc_wait() -> float:
+    """How long a failed allocation waits for held pages: ``ALLOC_WAIT``, or, while a
+    failed send's pages wait for peer_liveness to confirm its peer gone, long enough for
+    that (its ``confirm`` probes ``interval`` apart, plus one interval). Chaos soak on
+    0.5.10 (session 17): decode killed during a 16-page send on a 16-page prefill pool;
+    the next allocation gave up after 5 s and upstream's "Prefill out of memory" killed
+    the prefill scheduler, while the dead peer would have been confirmed at 10 s."""
+    if ALLOC_WAIT <= 0:
+        return ALLOC_WAIT  # never wait (tests that play the transfer worker on one thread)
+    w = peer_liveness.watch()
+    if w.interval > 0 and w.watched():
+        confirm_by = w.interval * (w.confirm + 1) + 1.0
+        if confirm_by <= PEER_WAIT_MAX:  # a slow probe (a long interval) is not waited for
+            return max(ALLOC_WAIT, confirm_by)
+    return ALLOC_WAIT
 
 METADATA_FREE = target(
     "disagg.utils.ReqToMetadataIdxAllocator.free",
@@ -479,10 +497,13 @@ def _paged_free(original: Callable) -> Callable:
             return original(self, free_index, *args, **kwargs)
         import torch
 
+        hit = hold.mask_hit(free_index, hold.page_shift)  # CPU: one lookup in the pinned-page mask
+        if hit is False:
+            return original(self, free_index, *args, **kwargs)
         # Every page the free touches, repeats allowed (a run of one page's tokens is one
         # entry): far cheaper than upstream's sort-based unique, and exact for membership.
         touched = free_index >> hold.page_shift if hold.page_shift is not None else free_index // ps
-        if not hold.touches_pinned(torch.unique_consecutive(touched)):
+        if hit is None and not hold.touches_pinned(torch.unique_consecutive(touched)):
             return original(self, free_index, *args, **kwargs)
         pages = torch.unique(touched)  # what upstream frees; checks pages, not tokens
         keep_pages = hold.divert(pages)
@@ -631,7 +652,8 @@ def _alloc_waits_for_held_pages(original: Callable, extend: bool = False) -> Cal
         hold = hold_for_allocator(self)
         if hold is None or hold.role != ROLE or not hold.held_pages():
             return out  # decode never blocks its scheduler on a stuck prefill: admission just waits
-        deadline = time.monotonic() + ALLOC_WAIT
+        wait = alloc_wait()
+        deadline = time.monotonic() + wait
         waited = False
         while True:
             if release_drained(self) and covers(self, args, kwargs):
@@ -647,7 +669,7 @@ def _alloc_waits_for_held_pages(original: Callable, extend: bool = False) -> Cal
                 if hold.held_pages():
                     log.error(
                         "kvguard prefill_source_hold: an allocation failed while %d page(s) are held for "
-                        "transfers that have not drained within %.0f s", hold.held_pages(), ALLOC_WAIT,
+                        "transfers that have not drained within %.0f s", hold.held_pages(), wait,
                     )
                 return out
             waited = True

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import types
 import urllib.request
 
 import pytest
@@ -145,7 +146,8 @@ def test_decode_door_notifies_the_rooms_prefill_rank(sgl, make_side, kvguard, pr
     for frames in got.values():
         drn._notices.pop(room, None)
         info = TransferInfo.from_zmq(frames)
-        assert info.is_dummy and info.room == room
+        assert int(frames[0]) == room
+        assert info.is_dummy and info.room == drn.NOTICE_ROOM  # guarded: the dummy entry names no room
         assert (info.endpoint, info.dst_port) == (_Decode.local_ip, _Decode.rank_port)
         status, message, _ = drn._notices.pop(room)
         assert status == 400 and "Input length (600 tokens)" in message
@@ -198,7 +200,8 @@ def test_a_decode_abort_tells_the_rooms_prefill(sgl, kvguard, prefill_ranks, han
     for frames in got.values():
         drn._notices.pop(room, None)
         info = TransferInfo.from_zmq(frames)
-        assert info.is_dummy and info.room == room
+        assert int(frames[0]) == room
+        assert info.is_dummy and info.room == drn.NOTICE_ROOM  # guarded: the dummy entry names no room
         status, message, _ = drn._notices.pop(room)
         assert status == 500, status
         assert message == "decode aborted the request: Aborted by AbortReq.", message
@@ -222,3 +225,100 @@ def test_unguarded_decode_abort_tells_prefill_nothing_it_keeps(sgl, prefill_rank
     r = _receiver(port, 7007)
     r.abort()
     assert _received(socks, timeout=1.0) == {}
+
+
+def _prefill_manager(monkeypatch):
+    """SGLang's real ``MooncakeKVManager`` (built without ``__init__``, which would start a
+    Mooncake engine) whose real ``start_prefill_thread`` runs its bootstrap thread on a
+    real ZMQ PULL socket; returns (manager, a PUSH socket connected to it)."""
+    import threading
+
+    import zmq
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=32000)
+    kv = MooncakeKVManager.__new__(MooncakeKVManager)
+    kv.__dict__.update(
+        server_socket=pull, transfer_infos={}, request_status={}, failure_records={},
+        failure_lock=threading.Lock(), session_lock=threading.Lock(), failed_sessions=set(), session_failures={},
+        decode_kv_args_table={}, req_to_decode_prefix_len={}, _stopped=False, deferred_bootstrap=None,
+        server_args=types.SimpleNamespace(enable_pd_role_switch=False), enable_deferred_decode_kv_release=False,
+        local_ip="127.0.0.1", rank_port=port, _worker_threads=[],
+    )
+
+    class _Daemon(threading.Thread):  # 0.5.10-0.5.22 start it non-daemon: it would outlive the test
+        def __init__(self, *a, **kw):
+            kw["daemon"] = True
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(threading, "Thread", _Daemon)
+    kv.start_prefill_thread()
+    monkeypatch.setattr(threading, "Thread", _Daemon.__mro__[1])
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    return kv, push
+
+
+def _iterate_while_a_notice_lands(kv, push, room: int):
+    """What upstream's transfer worker does with a room being sent (iterate its decode
+    registrations) while decode's abort notice for that room reaches the bootstrap thread."""
+    from sglang.srt.disaggregation.mooncake.conn import TransferInfo
+
+    from sglang_kvguard.guards import decode_rejection_notice as drn
+
+    decode = drn.encode(room, "127.0.0.1", 23456, 0, "")
+    decode[3] = b"127.0.0.1:17001"  # decode's own registration (stored as the bootstrap thread does)
+    kv.transfer_infos[room] = {}
+    kv.transfer_infos[room]["127.0.0.1:17001"] = TransferInfo.from_zmq(decode)
+    it = iter(kv.transfer_infos[room].values())
+    first = next(it)
+    push.send_multipart(drn.encode(room, "127.0.0.1", 23456, 500, "decode aborted the request: Aborted by AbortReq."))
+    deadline = time.monotonic() + 5
+    while drn.NOTICE_SID not in dict.keys(kv.transfer_infos[room]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert drn.NOTICE_SID in dict.keys(kv.transfer_infos[room]), "the bootstrap thread never stored the notice"
+    return first, it
+
+
+def test_a_notice_for_a_room_being_sent_never_breaks_the_transfer_worker(sgl, kvguard, monkeypatch):
+    """Chaos soak on 0.5.10 (session 16): decode aborted a room prefill was sending; the
+    notice, stored by the bootstrap thread into the room's registrations while the
+    transfer worker iterated them, raised "dictionary changed size during iteration" in
+    the worker, upstream declared the prefill dead, every later transfer hung and the
+    prefill scheduler died on its next allocation. Guarded, the worker's iteration is
+    over a snapshot, and the notice's entry names no room, so the worker (which marks
+    the room of a dummy entry Success at the last chunk) never acts on it."""
+    from sglang_kvguard.guards import decode_rejection_notice as drn
+
+    kv, push = _prefill_manager(monkeypatch)
+    assert isinstance(kv.transfer_infos, drn.Rooms)
+    room = 7011
+    try:
+        first, it = _iterate_while_a_notice_lands(kv, push, room)
+        assert list(it) == []  # the worker finishes the snapshot it started, nothing raised
+        assert first.mooncake_session_id == "127.0.0.1:17001"
+        stored = dict.__getitem__(kv.transfer_infos[room], drn.NOTICE_SID)
+        assert stored.is_dummy and stored.room == drn.NOTICE_ROOM != room
+        assert drn._notices.pop(room)[0] == 500
+        # the next chunk's iteration sees both, as upstream's own stores would show it
+        assert sorted(i.mooncake_session_id for i in kv.transfer_infos[room].values()) == sorted(
+            ["127.0.0.1:17001", drn.NOTICE_SID])
+    finally:
+        push.close()
+
+
+def test_unguarded_a_store_into_a_room_being_iterated_breaks_the_iteration(sgl, monkeypatch):
+    """Upstream's plain dict: the same store raises in the iterating thread (the transfer
+    worker, which upstream then turns into a dead prefill)."""
+    kv, push = _prefill_manager(monkeypatch)
+    assert type(kv.transfer_infos) is dict
+    try:
+        _, it = _iterate_while_a_notice_lands(kv, push, 7013)
+        with pytest.raises(RuntimeError, match="changed size during iteration"):
+            list(it)
+    finally:
+        push.close()

@@ -346,6 +346,44 @@ def test_a_failed_allocation_waits_for_held_pages_to_drain(make_side, guarded):
         p.allocator.free(rest)
 
 
+def test_a_failed_allocation_waits_for_a_failed_sends_peer_to_be_confirmed_gone(make_side, guarded, monkeypatch):
+    """Chaos soak on 0.5.10 (session 17): decode was killed during a send that filled
+    the 16-page prefill pool; the send failed, so its pages stay held until
+    peer_liveness confirms the peer gone (two refused connects an interval apart), but
+    the next allocation gave up after ALLOC_WAIT and upstream's "Prefill out of memory"
+    killed the prefill scheduler. While a failed send waits for its peer's verdict, an
+    allocation waits long enough for it (here: probes 0.3 s apart, ALLOC_WAIT 0.2 s)."""
+    import time
+
+    from sglang_kvguard import peer_liveness, transfer_drain
+
+    monkeypatch.setattr(peer_liveness, "WATCH",
+                        peer_liveness.PeerWatch(interval=0.3, confirm=2, probe=lambda peer: peer_liveness.REFUSED))
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p)
+        monkeypatch.setattr(g, "ALLOC_WAIT", 0.2)
+        try:
+            a = p.allocator.alloc(4 * PAGE)
+            rest = p.allocator.alloc(p.allocator.available_size())
+            queue.put(transfer_chunk(7015, _pages(a)))
+            assert queue.get().room == 7015  # the transfer worker sends it ...
+            g.current_chunk().failed("127.0.0.1:1", "ret=-1")  # ... to a peer that was killed
+            queue.finish_current()
+            p.allocator.free(a)  # the request fails and is released: its pages are held
+            assert hold.held_pages() == 4 and peer_liveness.watch().watched() == 1
+            assert 1.5 <= g.alloc_wait() <= 2.0  # 0.3 s x (2 + 1) + 1 s
+            t0 = time.monotonic()
+            b = p.allocator.alloc(4 * PAGE)
+            waited = time.monotonic() - t0
+            assert b is not None, "the allocation gave up before the dead peer was confirmed"
+            assert _pages(b) == _pages(a) and 0.3 <= waited < 1.9, waited
+            assert hold.held_pages() == 0 and peer_liveness.watch().watched() == 0
+            p.allocator.free(b)
+            p.allocator.free(rest)
+        finally:
+            transfer_drain.reset()
+
+
 def test_a_failed_allocation_without_held_pages_fails_at_once(make_side, guarded):
     import time
 

@@ -98,3 +98,44 @@ def test_row_hold_keeps_a_pinned_row_until_its_last_pin_goes_then_frees_it_once(
     rows.reset()
     free(alloc, 9)
     assert freed[-1] == 9
+
+
+class _Ids:
+    """The two things PageHold.mask_hit reads from a CPU tensor (numpy only here)."""
+
+    class device:  # noqa: N801 - mirrors torch.Tensor.device.type
+        type = "cpu"
+
+    def __init__(self, ids):
+        import numpy as np
+
+        self._a = np.asarray(ids, dtype=np.int64)
+
+    def numpy(self):
+        return self._a
+
+
+class _Alloc:
+    size, page_size = 160, 16  # pages 1..10
+
+
+def test_the_pinned_page_mask_follows_pins_and_never_says_unpinned_while_pinned():
+    h = PageHold("prefill")
+    h.pin([3])  # pinned before the bind: the mask starts with it
+    h.bind(_Alloc())
+    assert h.mask_hit(_Ids([3])) is True and h.mask_hit(_Ids([4, 5])) is False
+    assert h.mask_hit(_Ids([3 * 16 + 5]), h.page_shift) is True  # token ids -> pages by shift
+    assert h.mask_hit(_Ids([4 * 16, 4 * 16 + 15]), None) is False  # ... or by division
+    h.pin([7, 7])
+    h.unpin([7])
+    assert h.mask_hit(_Ids([7])) is True  # one pin left
+    h.unpin([7, 3])
+    assert h.mask_hit(_Ids([3, 7])) is False
+    assert h.mask_hit(_Ids([99])) is None  # past the pool: the caller takes the exact path
+
+
+def test_a_pin_outside_the_pool_drops_the_mask_for_the_exact_path():
+    h = PageHold("prefill")
+    h.bind(_Alloc())
+    h.pin([500])
+    assert h.mask_hit(_Ids([1])) is None and h.pinned(500)

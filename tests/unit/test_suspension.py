@@ -31,9 +31,15 @@ def test_a_suspended_guard_calls_the_original_only():
 
 
 def test_only_the_page_guards_can_be_suspended():
+    """What hybrid_pool_check may switch off on a node it cannot cover: the page guards,
+    and transfer_coverage, which it suspends on page layouts across ranks it has not
+    verified (LAYOUT_GUARDS, session 16); nothing else."""
     from sglang_kvguard import transfer_components as tc
     from sglang_kvguard.engine.runtime import plan
+    from sglang_kvguard.guards.hybrid_pool_check import LAYOUT_GUARDS
 
     _, _, guards = plan()
     suspendable = {g.name for g in guards if g.suspendable}
-    assert suspendable == set(tc.ALL_PAGE_GUARDS)
+    layout = {name for names in LAYOUT_GUARDS.values() for name in names}
+    assert "transfer_coverage" in layout
+    assert suspendable == set(tc.ALL_PAGE_GUARDS) | layout
