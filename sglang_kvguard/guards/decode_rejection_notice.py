@@ -55,6 +55,7 @@ import urllib.request
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..activation import pd_role
+from ..engine import suspension
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from . import admission_drain, rejection_notice
@@ -286,6 +287,8 @@ def _receiver_abort(original: Callable) -> Callable:
 
 
 def _on_decode_drain(prealloc_queue, req) -> None:
+    if suspension.is_suspended("decode_rejection_notice"):  # a hook, not a wrapper: checked here
+        return
     notify_prefill(prealloc_queue, req)
 
 
@@ -463,6 +466,7 @@ def _pop_bootstrapped(original: Callable) -> Callable:
 
 class DecodeRejectionNoticeGuard(Guard):
     name = "decode_rejection_notice"
+    suspendable = True  # hybrid_pool_check switches it off on a non-Mooncake transfer backend (warn)
     protects = ("prefill learns at once, with the original error, that decode rejected a request or aborted it "
                 "before its transfer info was sent (Mooncake)")
     targets = (TRANSFER_INFO_FROM_ZMQ, BOOTSTRAP_ADDR, POP_BOOTSTRAPPED, rejection_notice.PREPARE_ABORT,

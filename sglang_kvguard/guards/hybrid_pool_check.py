@@ -204,6 +204,46 @@ def layout_gaps(server_args, kv_manager) -> List[str]:
     return whys
 
 
+# Guards whose protection of a role's transfers rests on Mooncake's own transfer path
+# (its transfer worker, bootstrap thread, receiver and aux messages), or has only ever
+# been verified on it: on any other transfer backend (NIXL, Ascend, Mori) they
+# would report active over transfers they do not see (backend_gaps). SGLang's ``fake``
+# test backend moves nothing and is not a gap.
+MOONCAKE_GUARDS: Dict[str, Tuple[str, ...]] = {
+    "prefill": ("prefill_source_hold", "transfer_checksum", "rejection_notice", "decode_rejection_notice",
+                "mooncake_batch_bound"),
+    "decode": ("page_generation", "decode_destination_hold", "decode_deferred_release", "destination_canary",
+               "transfer_checksum", "transfer_coverage", "rejection_notice", "decode_rejection_notice"),
+}
+
+
+def is_mooncake_manager(kv_manager) -> bool:
+    """SGLang's own Mooncake manager (``mooncake`` and ``mooncake_tcp``); a subclass
+    from another backend (Ascend's ``AscendKVManager``) replaces its transfer path."""
+    cls = type(kv_manager)
+    return (any(c.__name__ == "MooncakeKVManager" for c in cls.__mro__)
+            and cls.__module__.startswith("sglang.srt.disaggregation.mooncake"))
+
+
+def backend_gaps(server_args, kv_manager) -> List[str]:
+    """Why this node's transfer backend is not one kvguard's transfer-path guards run on
+    (empty for Mooncake, or when the node has no PD transfer manager to read). SGLang's
+    ``fake`` backend (a test backend) transfers nothing, so no transfer-path guard has
+    a transfer to miss; the content guards hook its receiver explicitly."""
+    if kv_manager is None or is_mooncake_manager(kv_manager):
+        return []
+    if any(c.__name__ == "FakeKVManager" for c in type(kv_manager).__mro__):
+        return []
+    backend = getattr(server_args, "disaggregation_transfer_backend", None) or "?"
+    return [f"the transfer backend is {backend} ({type(kv_manager).__name__}): kvguard's transfer-path guards "
+            "patch and have been verified on Mooncake's transfer path only, so on this backend they would not see "
+            "the transfers they report protecting"]
+
+
+def scheduler_backend_gaps(scheduler) -> List[str]:
+    return backend_gaps(getattr(scheduler, "server_args", None), getattr(_pd_queue(scheduler), "kv_manager", None))
+
+
 def _pd_queue(scheduler):
     queue = None
     for attr in ("disagg_prefill_bootstrap_queue", "disagg_decode_prealloc_queue"):  # one exists per PD role
@@ -223,7 +263,8 @@ def scheduler_layout_gaps(scheduler) -> List[str]:
 
 
 def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Optional[set] = None,
-                kv_args=_NO_KV_ARGS, draft_pool=None, layout: Tuple[str, ...] = ()) -> str:
+                kv_args=_NO_KV_ARGS, draft_pool=None, layout: Tuple[str, ...] = (),
+                backend: Tuple[str, ...] = ()) -> str:
     """Compare the node's pools, and every component its transfers move (``kv_args``: what
     upstream registered with the transfer backend), with the active page guards;
     returns ok/refuse/warn."""
@@ -240,6 +281,10 @@ def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Op
                 hit.setdefault(guard, []).append(why)
     for why in layout:
         for guard in LAYOUT_GUARDS[role]:
+            if active is None or guard in active:
+                hit.setdefault(guard, []).append(why)
+    for why in backend:
+        for guard in MOONCAKE_GUARDS[role]:
             if active is None or guard in active:
                 hit.setdefault(guard, []).append(why)
     kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
@@ -302,7 +347,8 @@ def _scheduler_init(policy: str) -> Callable[[Callable], Callable]:
                 return
             kv_args, draft = transfer_kv_args(self)
             check_pools(role, self.token_to_kv_pool_allocator, self.req_to_token_pool, policy,
-                        kv_args=kv_args, draft_pool=draft, layout=tuple(scheduler_layout_gaps(self)))
+                        kv_args=kv_args, draft_pool=draft, layout=tuple(scheduler_layout_gaps(self)),
+                        backend=tuple(scheduler_backend_gaps(self)))
 
         return __init__
 

@@ -72,6 +72,7 @@ def _bounded(limit: int) -> Callable[[Callable], Callable]:
 
 class MooncakeBatchBoundGuard(Guard):
     name = "mooncake_batch_bound"
+    suspendable = True  # hybrid_pool_check switches it off on a non-Mooncake transfer backend (warn)
     protects = "no Mooncake batch transfer carries more than N blocks"
     targets = (TRANSFER_DATA,)
 

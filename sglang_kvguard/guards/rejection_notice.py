@@ -44,6 +44,7 @@ import time
 import urllib.request
 from typing import Callable, Dict, Tuple
 
+from ..engine import suspension
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from . import _req, admission_drain
@@ -251,6 +252,8 @@ def note_prefill_rejection(kv, req, bootstrap_queue=None) -> None:
 
 
 def _on_door_drain(queue, req) -> None:
+    if suspension.is_suspended("rejection_notice"):  # a hook, not a wrapper: checked here
+        return
     note_prefill_rejection(getattr(queue, "kv_manager", None), req, queue)
 
 
@@ -404,6 +407,7 @@ def _retire_unadmitted(original: Callable) -> Callable:
 
 class RejectionNoticeGuard(Guard):
     name = "rejection_notice"
+    suspendable = True  # hybrid_pool_check switches it off on a non-Mooncake transfer backend (warn)
     protects = ("decode learns at once, with the original error, that prefill rejected or ended a request "
                 "before sending its KV (Mooncake)")
     targets = (UPDATE_STATUS, HANDLE_AUX, PREPARE_ABORT, CHECK_CAPACITY, SENDER_FAILURE, admission_drain.UPSTREAM_RETIRE)

@@ -138,3 +138,107 @@ def test_a_context_parallel_transfer_from_every_cp_rank_is_refused(sgl):
     assert len(whys) == 1 and "attention CP size 2" in whys[0], whys
     # CP rank 0 alone sends whole pages: the plain layout
     assert hpc.layout_gaps(None, _mooncake_manager(attn_cp_size=2, enable_all_cp_ranks_for_transfer=False)) == []
+
+
+# --- transfer backends (session 17) -------------------------------------------------
+
+NOTICE_GUARDS = {"rejection_notice", "decode_rejection_notice", "mooncake_batch_bound"}
+
+
+def _manager(module: str, cls: str):
+    """SGLang's real transfer manager class of a backend, built without ``__init__``."""
+    import importlib
+
+    klass = getattr(importlib.import_module(module), cls)
+    return klass.__new__(klass)
+
+
+def test_mooncake_and_the_fake_test_backend_have_no_backend_gap(sgl, make_side):
+    assert hpc.backend_gaps(None, _mooncake_manager()) == []
+    with make_side("decode") as side:  # SGLang's fake backend: nothing is transferred
+        assert hpc.scheduler_backend_gaps(side.scheduler) == []
+
+
+@pytest.mark.parametrize("module,cls,backend", [
+    ("sglang.srt.disaggregation.nixl.conn", "NixlKVManager", "nixl"),
+    ("sglang.srt.disaggregation.ascend.conn", "AscendKVManager", "ascend"),  # a MooncakeKVManager subclass
+])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_another_transfer_backend_is_refused_naming_the_guards_that_rest_on_mooncake(sgl, make_side, mode,
+                                                                                     module, cls, backend):
+    """kvguard's holds, notices and batch bound patch Mooncake's transfer path, and its
+    content guards have only been verified on it: on NIXL or Ascend they would report
+    active over transfers they never see. The node refuses at start, naming them."""
+    import types
+
+    kv = _manager(module, cls)
+    whys = hpc.backend_gaps(types.SimpleNamespace(disaggregation_transfer_backend=backend), kv)
+    assert len(whys) == 1 and f"the transfer backend is {backend} ({cls})" in whys[0], whys
+    active = EVERY_GUARD | NOTICE_GUARDS
+    with make_side(mode) as side:
+        kv_args, draft = hpc.transfer_kv_args(side.scheduler)
+        with pytest.raises(hpc.HybridPoolUnguarded) as err:
+            hpc.check_pools(side.mode, side.allocator, side.req_to_token_pool, "refuse", set(active),
+                            kv_args=kv_args, draft_pool=draft, backend=tuple(whys))
+    msg = str(err.value)
+    assert _named(msg) == set(hpc.MOONCAKE_GUARDS[mode]), msg
+    assert {"prefill": {"prefill_source_hold", "rejection_notice", "mooncake_batch_bound"},
+            "decode": {"decode_destination_hold", "destination_canary", "transfer_coverage"}}[mode] <= _named(msg)
+
+
+def test_with_warn_on_another_backend_the_notices_are_suspended_too(sgl, make_side):
+    import types
+
+    from sglang_kvguard.engine import suspension
+    from sglang_kvguard.guards import rejection_notice
+
+    whys = hpc.backend_gaps(types.SimpleNamespace(disaggregation_transfer_backend="nixl"),
+                            _manager("sglang.srt.disaggregation.nixl.conn", "NixlKVManager"))
+    try:
+        with make_side("prefill") as side:
+            kv_args, draft = hpc.transfer_kv_args(side.scheduler)
+            assert hpc.check_pools("prefill", side.allocator, side.req_to_token_pool, "warn",
+                                   set(EVERY_GUARD | NOTICE_GUARDS), kv_args=kv_args, draft_pool=draft,
+                                   backend=tuple(whys)) == "warn"
+        assert set(hpc.MOONCAKE_GUARDS["prefill"]) <= suspension.SUSPENDED
+
+        class Queue:  # the door hook must not send a Mooncake notice through another backend
+            kv_manager = None
+
+        sent = []
+        original = rejection_notice.note_prefill_rejection
+        rejection_notice.note_prefill_rejection = lambda *a, **k: sent.append(a)
+        try:
+            rejection_notice._on_door_drain(Queue(), object())
+        finally:
+            rejection_notice.note_prefill_rejection = original
+        assert sent == []
+    finally:
+        suspension.reset()
+
+
+def test_the_scheduler_constructor_wrapper_reads_the_backend_of_the_pd_queue(sgl, make_side):
+    """The production path: after SGLang's Scheduler.__init__, the wrapper reads the
+    transfer manager that the PD queue built (here SGLang's real NixlKVManager class)."""
+    import types
+
+    with make_side("prefill") as side:
+        nixl = _manager("sglang.srt.disaggregation.nixl.conn", "NixlKVManager")
+        nixl.kv_args = side.scheduler.disagg_prefill_bootstrap_queue.kv_manager.kv_args
+
+        class Built:  # what SGLang's Scheduler.__init__ leaves behind
+            pass
+
+        def constructor(self, queue):
+            self.disaggregation_mode = "prefill"
+            self.server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl")
+            self.token_to_kv_pool_allocator = side.allocator
+            self.req_to_token_pool = side.req_to_token_pool
+            self.disagg_prefill_bootstrap_queue = queue
+
+        with pytest.raises(hpc.HybridPoolUnguarded) as err:
+            hpc._scheduler_init("refuse")(constructor)(Built(), types.SimpleNamespace(kv_manager=nixl))
+        assert "the transfer backend is nixl (NixlKVManager)" in str(err.value)
+        assert "rejection_notice" in _named(str(err.value))
+        same = types.SimpleNamespace(kv_manager=side.scheduler.disagg_prefill_bootstrap_queue.kv_manager)
+        assert hpc._scheduler_init("refuse")(constructor)(Built(), same) is None  # the fake backend: ok

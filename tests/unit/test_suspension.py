@@ -33,13 +33,16 @@ def test_a_suspended_guard_calls_the_original_only():
 def test_only_the_page_guards_can_be_suspended():
     """What hybrid_pool_check may switch off on a node it cannot cover: the page guards,
     and transfer_coverage, which it suspends on page layouts across ranks it has not
-    verified (LAYOUT_GUARDS, session 16); nothing else."""
+    verified (LAYOUT_GUARDS, session 16), and the guards that rest on Mooncake's transfer
+    path, which it suspends on any other backend (MOONCAKE_GUARDS, session 17); nothing else."""
     from sglang_kvguard import transfer_components as tc
     from sglang_kvguard.engine.runtime import plan
-    from sglang_kvguard.guards.hybrid_pool_check import LAYOUT_GUARDS
+    from sglang_kvguard.guards.hybrid_pool_check import LAYOUT_GUARDS, MOONCAKE_GUARDS
 
     _, _, guards = plan()
     suspendable = {g.name for g in guards if g.suspendable}
     layout = {name for names in LAYOUT_GUARDS.values() for name in names}
     assert "transfer_coverage" in layout
-    assert suspendable == set(tc.ALL_PAGE_GUARDS) | layout
+    mooncake = {name for names in MOONCAKE_GUARDS.values() for name in names}
+    assert {"rejection_notice", "decode_rejection_notice", "mooncake_batch_bound"} <= mooncake
+    assert suspendable == set(tc.ALL_PAGE_GUARDS) | layout | mooncake
