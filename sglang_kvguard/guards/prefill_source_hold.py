@@ -438,6 +438,41 @@ def _proxy_for(manager, queue):
     return queue
 
 
+def _stop_server() -> None:
+    """What SGLang itself does when its scheduler fails: SIGQUIT to the server's main
+    process (the scheduler's parent), which stops the whole server."""
+    import os
+    import signal
+
+    os.kill(os.getppid(), signal.SIGQUIT)
+
+
+STOP_SERVER = _stop_server  # tests replace it
+
+
+def _worker_died(manager, exc: BaseException) -> None:
+    """Upstream's transfer worker ends on any exception ("Transfer thread failed ...
+    Prefill instance ... is dead"), but only its thread dies: the server keeps answering
+    /health and admitting requests whose KV is never sent (each hangs until its timeout),
+    and the pages of every chunk still queued stay pinned. Chaos soak on 0.5.10 (session
+    17, a cause since fixed): a dead worker, then "Prefill out of memory" 50 s later.
+    Fail closed: stop the server the way SGLang stops it when its scheduler fails, so the
+    router and the supervisor see a dead node instead of a hanging one."""
+    from .. import metrics
+
+    metrics.count("transfer_worker_died")
+    log.critical(
+        "kvguard prefill_source_hold: SGLang's Mooncake transfer worker thread died (%s: %s); this prefill can no "
+        "longer send KV (bootstrap port %s), every request it admits would hang until its timeout and the "
+        "pages of its queued chunks stay pinned. Stopping the server (SIGQUIT to its main process, as SGLang "
+        "does when its scheduler fails).", type(exc).__name__, exc, getattr(manager, "bootstrap_port", "?"),
+    )
+    try:
+        STOP_SERVER()
+    except Exception as err:  # noqa: BLE001
+        log.critical("kvguard prefill_source_hold: could not stop the server: %s", err)
+
+
 def _transfer_worker(original: Callable) -> Callable:
     def transfer_worker(self, queue, executor, *args, **kwargs):
         q = _proxy_for(self, queue)
@@ -446,7 +481,11 @@ def _transfer_worker(original: Callable) -> Callable:
             executor = _TrackingExecutor(executor, q)
         else:
             log.error("kvguard prefill_source_hold: transfer worker started on an unknown queue; its pages are not held")
-        return original(self, q, executor, *args, **kwargs)
+        try:
+            return original(self, q, executor, *args, **kwargs)
+        except Exception as exc:
+            _worker_died(self, exc)
+            raise
 
     return transfer_worker
 

@@ -474,3 +474,57 @@ def test_alloc_extend_never_runs_its_kernel_over_a_short_free_list(make_side, gu
         assert 0.15 <= waited < g.ALLOC_WAIT, waited
         alloc.free(out)
         alloc.free(rest)
+
+
+def test_a_dead_transfer_worker_stops_the_server_instead_of_leaving_it_hanging(guarded, monkeypatch):
+    """SGLang's real ``MooncakeKVManager.transfer_worker`` (built without ``__init__``)
+    ends on any exception ("Transfer thread failed ... Prefill instance ... is dead"),
+    but only its thread dies: the server keeps admitting requests whose KV is never
+    sent. Guarded, the server is stopped the way SGLang stops it when its scheduler
+    fails (here the stop is recorded instead of sent)."""
+    import threading
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    from sglang_kvguard.guards import prefill_source_hold as g
+
+    stops = []
+    monkeypatch.setattr(g, "STOP_SERVER", lambda: stops.append(threading.current_thread().name))
+    kv = MooncakeKVManager.__new__(MooncakeKVManager)
+    kv.__dict__.update(transfer_queues=[_fast_queue()], transfer_infos={}, bootstrap_port=8998, _stopped=False,
+                       enable_staging=False, attn_tp_rank=0, pp_size=1, attn_cp_size=1, pp_rank=0, attn_cp_rank=0,
+                       session_lock=threading.Lock(), failed_sessions=set(), enable_trace=False)
+    kv.transfer_queues[0].put(object())  # not a chunk: upstream's loop fails on it
+    died = []
+
+    def run():
+        try:
+            kv.transfer_worker(kv.transfer_queues[0], concurrent.futures.ThreadPoolExecutor(1))
+        except BaseException as exc:  # noqa: BLE001
+            died.append(exc)
+
+    t = threading.Thread(target=run, name="transfer-worker", daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive()
+    assert died, "the worker should have ended with its exception"  # "Transfer thread failed ..." (0.5.10-0.5.22)
+    assert stops == ["transfer-worker"]
+
+
+def test_unguarded_a_dead_transfer_worker_leaves_the_server_up(monkeypatch):
+    import threading
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    from sglang_kvguard.guards import prefill_source_hold as g
+
+    stops = []
+    monkeypatch.setattr(g, "STOP_SERVER", lambda: stops.append(1))
+    kv = MooncakeKVManager.__new__(MooncakeKVManager)
+    kv.__dict__.update(transfer_queues=[_fast_queue()], transfer_infos={}, bootstrap_port=8998, _stopped=False,
+                       enable_staging=False, attn_tp_rank=0, pp_size=1, attn_cp_size=1, pp_rank=0, attn_cp_rank=0,
+                       session_lock=threading.Lock(), failed_sessions=set(), enable_trace=False)
+    kv.transfer_queues[0].put(object())
+    with pytest.raises(Exception):  # noqa: B017 - upstream's own wording differs by release
+        kv.transfer_worker(kv.transfer_queues[0], concurrent.futures.ThreadPoolExecutor(1))
+    assert stops == []  # upstream: the thread ends, nothing else happens
