@@ -53,8 +53,16 @@ log = logging.getLogger("sglang_kvguard")
 
 MARKER = b"KVGUARD_REJECT/1"
 # Session id of decode_rejection_notice's dummy TransferInfo (decode -> prefill); such
-# an entry in ``transfer_infos`` is not a decode endpoint to notify.
-DECODE_NOTICE_SID = "kvguard-decode-reject/1"
+# an entry in ``transfer_infos`` is not a decode endpoint to notify. It ends in ":0"
+# because upstream's ``add_transfer_request`` (every release 0.5.10-0.5.23) shards a
+# room's chunks by ``sum(int(sid.rsplit(":", 1)[1]))`` over the room's registrations: a
+# notice stored for a room whose next chunk is still to be queued (decode aborted it
+# while prefill ran its forward) made that ``int()`` raise in the prefill scheduler's
+# ``send_kv_chunk`` and killed it (CI, 0.5.10, test_abort_phases, session 17). Port 0
+# adds nothing to the sum: the room's chunks go to the shard they would go to anyway.
+# Version 1 ("kvguard-decode-reject/1") had no port; a prefill running it does not
+# recognise a version-2 notice (run one kvguard version across a deployment).
+DECODE_NOTICE_SID = "kvguard-decode-reject/2:0"
 _BAD_LEN = struct.pack(">I", 0xFFFFFFFF)  # upstream's aux parser drops a length mismatch
 _TTL = 600.0
 

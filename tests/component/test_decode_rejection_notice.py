@@ -322,3 +322,43 @@ def test_unguarded_a_store_into_a_room_being_iterated_breaks_the_iteration(sgl, 
             list(it)
     finally:
         push.close()
+
+
+def _queue_a_chunk(kv, room: int):
+    """Upstream's real ``MooncakeKVManager.add_transfer_request`` for one non-last chunk of
+    ``room`` (what ``send_kv_chunk`` calls on the prefill scheduler thread); returns the
+    index of the transfer queue the chunk went to."""
+    import queue
+
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    kv.disaggregation_mode = DisaggregationMode.PREFILL
+    kv.request_status[room] = KVPoll.WaitingForInput
+    kv.transfer_queues = [queue.Queue() for _ in range(4)]
+    MooncakeKVManager.add_transfer_request(kv, room, np.arange(2, dtype=np.int32), slice(0, 2), False)
+    queued = [i for i, q in enumerate(kv.transfer_queues) if not q.empty()]
+    assert len(queued) == 1, queued
+    return queued[0]
+
+
+def test_a_notice_for_a_room_whose_next_chunk_is_still_to_be_queued_never_breaks_the_scheduler(
+        sgl, kvguard, monkeypatch):
+    """CI on 0.5.10 (session 17, test_abort_phases): decode aborted a room while prefill
+    ran its forward; the notice landed in the room's registrations before the room's last
+    chunk was queued, and upstream's ``add_transfer_request``, which shards by the port at
+    the end of every registration's session id, raised ``ValueError`` on the notice's id
+    in the prefill scheduler thread: the prefill server died. The notice's id now ends in
+    port 0, and the chunk goes to the shard it would have gone to without the notice."""
+    from sglang_kvguard.guards import decode_rejection_notice as drn
+
+    kv, push = _prefill_manager(monkeypatch)
+    room = 7015
+    try:
+        _iterate_while_a_notice_lands(kv, push, room)
+        drn._notices.pop(room, None)
+        assert _queue_a_chunk(kv, room) == 17001 % 4  # decode's own port alone decides the shard
+    finally:
+        push.close()
