@@ -43,6 +43,11 @@ class PageHold:
         self._held: Dict[int, float] = {}  # page -> monotonic time its free was diverted
         self._releasable: List[int] = []
         self._quarantined: set = set()
+        # page -> count of failed sends (``stick``) that may still read it: pinned until
+        # their peer is confirmed gone, possibly never. Such a page that the scheduler has
+        # not freed yet (it sits in the radix cache, evictable to upstream) is not
+        # capacity: ``stuck_unheld_pages``.
+        self._stuck: Dict[int, int] = {}
         self._allocator_ref = None
         self.page_size = 1
         self.page_shift: Optional[int] = 0
@@ -119,6 +124,32 @@ class PageHold:
                     mask[p] = False
                 if n < 0:
                     log.error("kvguard page hold (%s): page %d unpinned more often than pinned", self.role, p)
+
+    def stick(self, pages: Iterable[int]) -> None:
+        """``pages`` (pinned) belong to a failed send that may still be running: they stay
+        pinned until its peer is gone, which may be never."""
+        with self._lock:
+            for p in pages:
+                self._stuck[int(p)] = self._stuck.get(int(p), 0) + 1
+
+    def unstick(self, pages: Iterable[int]) -> None:
+        with self._lock:
+            for p in pages:
+                n = self._stuck.get(int(p), 0) - 1
+                if n > 0:
+                    self._stuck[int(p)] = n
+                else:
+                    self._stuck.pop(int(p), None)
+
+    def stuck_unheld_pages(self) -> int:
+        """Pages of failed sends that the scheduler has not freed yet: still in a request
+        or in the radix cache, where upstream counts them as evictable (admission
+        budgets with them; evicted, they would only be held)."""
+        if not self._stuck:
+            return 0
+        with self._lock:
+            held = self._held
+            return sum(1 for p in self._stuck if p not in held)
 
     def mask_hit(self, ids, shift: Optional[int] = 0) -> Optional[bool]:
         """Whether a CPU tensor of page ids (``shift`` 0) or token ids (``shift``: the
@@ -223,6 +254,7 @@ class PageHold:
         with self._lock:
             return {
                 "pinned": len(self._pins),
+                "stuck": len(self._stuck),
                 "held": len(self._held) + len(self._releasable),
                 "quarantined": len(self._quarantined),
                 **self.stats,

@@ -7,12 +7,15 @@ to where they started. Upstream's own numbers differ by release (``/server_info`
 allocators, once a second in a daemon thread of each scheduler process, and exports:
 
 * ``kvguard_kv_free_tokens{role,rank}``: ``token_to_kv_pool_allocator.available_size()``
+  as upstream computes it (the free list; without prefill_source_hold's deduction)
 * ``kvguard_kv_evictable_tokens{role,rank}``: ``tree_cache.evictable_size()`` (cached
   prefixes that the allocator can take back)
 * ``kvguard_metadata_free_slots{role,rank}``: free PD metadata buffer slots
 * ``kvguard_kv_held_pages{role,rank}``, ``kvguard_kv_quarantined_pages{role,rank}``:
   pages freed while a transfer still uses them, held (and, past the bound,
   quarantined) by kvguard's page-lifetime guards
+* ``kvguard_kv_failed_send_pages{role,rank}`` (prefill): pages a failed Mooncake send
+  may still read, pinned until its peer is confirmed gone; admission does not count them
 
 They are served with SGLang's own metrics (``--enable-metrics``, ``GET /metrics``).
 ``KVGUARD_RESOURCE_GAUGES=0`` turns the sampler off.
@@ -46,13 +49,16 @@ def sample(scheduler) -> dict:
     out = {}
     alloc = getattr(scheduler, "token_to_kv_pool_allocator", None)
     if alloc is not None:
-        out["kv_free_tokens"] = int(alloc.available_size())
+        from .guards.prefill_source_hold import real_available
         from .page_hold import hold_for_allocator
 
+        out["kv_free_tokens"] = real_available(alloc)
         hold = hold_for_allocator(alloc)
         if hold is not None:
             out["kv_held_pages"] = hold.held_pages()
             out["kv_quarantined_pages"] = hold.quarantined_pages()
+            if hold.role == "prefill":
+                out["kv_failed_send_pages"] = len(hold._stuck)
         else:
             from .guards.decode_deferred_release import deferred_pages
 
@@ -74,6 +80,8 @@ _DOCS = {
     "metadata_free_slots": "free PD metadata buffer slots",
     "kv_held_pages": "KV pages freed by the scheduler but held by kvguard until the transfer using them drains",
     "kv_quarantined_pages": "held KV pages whose transfer has not drained within --kvguard-quarantine-after",
+    "kv_failed_send_pages": ("prefill KV pages a failed Mooncake send may still read, kept until its peer is "
+                             "confirmed gone and left out of the admission budget meanwhile"),
 }
 
 

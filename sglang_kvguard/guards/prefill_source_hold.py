@@ -117,6 +117,23 @@ TOKEN_ALLOC = target(
     "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator.alloc",
     why="token allocator: a failed allocation waits for held pages to drain",
 )
+BASE_AVAILABLE = target(
+    "allocator.BaseTokenToKVPoolAllocator.available_size",
+    "sglang.srt.mem_cache.allocator:BaseTokenToKVPoolAllocator.available_size",
+    "sglang.srt.mem_cache.allocator.base:BaseTokenToKVPoolAllocator.available_size",
+    why="paged allocator's admission budget up to 0.5.19 (inherited): pages of failed sends are not capacity",
+)
+PAGED_AVAILABLE = target(
+    "allocator.PagedTokenToKVPoolAllocator.available_size",
+    "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.available_size",
+    why="paged allocator's admission budget from 0.5.20: pages of failed sends are not capacity",
+)
+TOKEN_AVAILABLE = target(
+    "allocator.TokenToKVPoolAllocator.available_size",
+    "sglang.srt.mem_cache.allocator:TokenToKVPoolAllocator.available_size",
+    "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator.available_size",
+    why="token allocator's admission budget: pages of failed sends are not capacity",
+)
 ABORT_ACK = target(
     "common.CommonKVManager._send_abort_ack",
     "sglang.srt.disaggregation.common.conn:CommonKVManager._send_abort_ack",
@@ -316,6 +333,7 @@ class _PinningQueue:
             len(cur.pages), "they are released if that peer goes away" if peers and peer_liveness.watch().interval > 0
             else "they stay held until this process restarts",
         )
+        self._hold.stick(cur.pages)
         transfer_drain.finished(cur.room, unsettled=cur.unsettled)
         peer_liveness.watch().watch(peers, lambda: self._peer_gone(cur, peers), what=f"room {cur.room}")
 
@@ -323,6 +341,7 @@ class _PinningQueue:
         """Every peer the chunk's failed batches went to is gone: nothing reads its pages any more."""
         from .. import metrics
 
+        self._hold.unstick(cur.pages)
         self._hold.unpin(cur.pages)
         ROWS.unpin(cur.row)
         transfer_drain.settle(cur.room)
@@ -660,7 +679,7 @@ def _free_list_covers(alloc, original: Callable, args, kwargs) -> bool:
     try:
         # upstream merges its released pages into the free list before the kernel when
         # the list runs low, so what it can read is everything available
-        return need * int(alloc.page_size) <= int(alloc.available_size())
+        return need * int(alloc.page_size) <= real_available(alloc)
     except Exception as exc:  # noqa: BLE001 - never fail an allocation over the check itself
         log.debug("kvguard prefill_source_hold: free-list check skipped: %s", exc)
         return True
@@ -717,6 +736,51 @@ def _alloc_waits_for_held_pages(original: Callable, extend: bool = False) -> Cal
     return alloc
 
 
+# ----------------------------------------------------------------------------- admission budget
+
+_raw = threading.local()  # .on: available_size() answers the free list itself
+
+
+def real_available(alloc) -> int:
+    """The allocator's free tokens as upstream counts them (free list and pages being
+    released), without kvguard's deduction for failed sends."""
+    _raw.on = True
+    try:
+        return int(alloc.available_size())
+    finally:
+        _raw.on = False
+
+
+def _available_size(original: Callable) -> Callable:
+    """Upstream budgets admission and eviction with ``available_size() +
+    evictable_size()`` (PrefillAdder up to 0.5.22, PrefillBudget on 0.5.23, and
+    ``evict_from_tree_cache`` evicts the shortfall). The pages of a failed send stay
+    pinned until its peer is confirmed gone, which for a live peer is never; meanwhile
+    the finished request has put them in the radix cache, where upstream counts them as
+    evictable. It admitted a request on them, evicted them (the eviction only moved them
+    to kvguard's hold), and the allocation that followed failed: "Prefill out of
+    memory" killed the scheduler (issue 18). The prefill allocator's free tokens are
+    reported minus those pages (``PageHold.stuck_unheld_pages``), so the budget counts
+    only what eviction can really free and the shortfall evicted covers them; the leak
+    checker's session-held term adds them back (``_held_tokens``). Nothing changes
+    while no send has failed (one dict test per call)."""
+
+    def available_size(self, *args, **kwargs):
+        n = original(self, *args, **kwargs)
+        hold = HOLDS.get(ROLE)
+        if hold is None or not hold._stuck or getattr(_raw, "on", False) or not hold.owns(self):
+            return n
+        return n - hold.stuck_unheld_pages() * hold.page_size
+
+    return available_size
+
+
+def unusable_tokens() -> int:
+    """Tokens of failed sends' pages the prefill allocator's free size leaves out."""
+    hold = HOLDS.get(ROLE)
+    return hold.stuck_unheld_pages() * hold.page_size if hold is not None else 0
+
+
 _last_sweep = {"t": 0.0}
 
 
@@ -760,7 +824,9 @@ def _pop_bootstrapped(original: Callable) -> Callable:
 
 
 def total_held_tokens() -> int:
-    return sum(h.held_tokens() for h in HOLDS.values())
+    """Tokens kvguard keeps out of upstream's free and evictable counts: held pages, and
+    the pages of failed sends deducted from the free size (``_available_size``)."""
+    return sum(h.held_tokens() for h in HOLDS.values()) + unusable_tokens()
 
 
 def _held_tokens(original: Callable) -> Callable:
@@ -791,7 +857,7 @@ class PrefillSourceHoldGuard(Guard):
     targets = (
         SCHEDULER_INIT, TRANSFER_WORKER, ADD_TRANSFER, PAGED_FREE, PAGED_RELEASE, TOKEN_FREE,
         POP_BOOTSTRAPPED, HELD_MIXIN, HELD_OBSERVER, PAGED_ALLOC, PAGED_ALLOC_EXTEND, TOKEN_ALLOC,
-        TRANSFER_DATA, ABORT_ACK, METADATA_FREE,
+        TRANSFER_DATA, ABORT_ACK, METADATA_FREE, BASE_AVAILABLE, PAGED_AVAILABLE, TOKEN_AVAILABLE,
     )
 
     def decide(self, ctx) -> Decision:
@@ -799,6 +865,9 @@ class PrefillSourceHoldGuard(Guard):
                    PAGED_ALLOC.key, PAGED_ALLOC_EXTEND.key, TOKEN_ALLOC.key, TRANSFER_DATA.key, METADATA_FREE.key]
         patches.append(PAGED_RELEASE.key if ctx.has(PAGED_RELEASE.key) else PAGED_FREE.key)
         patches.append(HELD_OBSERVER.key if ctx.has(HELD_OBSERVER.key) else HELD_MIXIN.key)
+        # the paged allocator inherits the base's available_size up to 0.5.19
+        patches.append(PAGED_AVAILABLE.key if ctx.has(PAGED_AVAILABLE.key) else BASE_AVAILABLE.key)
+        patches.append(TOKEN_AVAILABLE.key)
         if ctx.has(ABORT_ACK.key):
             patches.append(ABORT_ACK.key)
         for key in patches:
@@ -825,4 +894,7 @@ class PrefillSourceHoldGuard(Guard):
             PAGED_ALLOC_EXTEND.key: lambda original: _alloc_waits_for_held_pages(original, extend=True),
             TOKEN_ALLOC.key: _alloc_waits_for_held_pages,
             METADATA_FREE.key: ROWS.wrap_free,
+            BASE_AVAILABLE.key: _available_size,
+            PAGED_AVAILABLE.key: _available_size,
+            TOKEN_AVAILABLE.key: _available_size,
         }

@@ -384,6 +384,59 @@ def test_a_failed_allocation_waits_for_a_failed_sends_peer_to_be_confirmed_gone(
             transfer_drain.reset()
 
 
+def test_admission_never_budgets_the_pages_of_a_failed_send(make_side, guarded, monkeypatch):
+    """Issue 18: a send failed to a peer that stays up, so its pages stay pinned until the
+    peer is confirmed gone (never, here); the failed request was released into the radix
+    cache, where upstream counts them as evictable. Upstream's admission budget
+    (``available_size() + evictable_size()``, PrefillAdder / PrefillBudget) admitted a
+    request on them, upstream's eviction only moved them to kvguard's hold, and the
+    allocation that followed failed: "Prefill out of memory". Guarded, the budget is the
+    capacity eviction can really free, a request of the whole budget is allocated after
+    upstream's own eviction, and the leak checker's invariant holds at every step."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_kvguard import peer_liveness, transfer_drain
+
+    monkeypatch.setattr(peer_liveness, "WATCH", peer_liveness.PeerWatch(interval=0))  # never confirmed gone
+    with make_side("prefill", num_tokens=256) as p:
+        g, hold, queue = _setup(p)
+        monkeypatch.setattr(g, "ALLOC_WAIT", 0.2)
+        alloc, tree = p.allocator, p.tree_cache
+        total = alloc.available_size()
+
+        def leak_check(in_use):  # upstream's idle invariant, with kvguard's session-held term
+            assert alloc.available_size() + tree.evictable_size() + g.total_held_tokens() == total - in_use
+
+        try:
+            a = alloc.alloc(4 * PAGE)
+            queue.put(transfer_chunk(7021, _pages(a)))
+            assert queue.get().room == 7021
+            g.current_chunk().failed("127.0.0.1:1", "ret=-1")  # the batch failed; the peer is alive
+            queue.finish_current()
+            # the failed request is released: upstream's cache_finished_req puts its pages in the cache
+            tree.insert(InsertParams(key=RadixKey(list(range(1000, 1000 + 4 * PAGE))), value=a))
+            assert tree.evictable_size() == 4 * PAGE
+            leak_check(0)
+            budget = alloc.available_size() + tree.evictable_size()
+            assert budget == total - 4 * PAGE, "admission counts the failed send's pages as capacity"
+            evict_from_tree_cache(tree, budget)  # what the scheduler does before it allocates the batch
+            b = alloc.alloc(budget)
+            assert b is not None, "a request admitted within the budget found no pages after eviction"
+            assert hold.held_pages() == 4 and not set(_pages(b)) & set(_pages(a))
+            leak_check(budget)
+            assert g.real_available(alloc) == alloc.available_size() == 0
+            alloc.free(b)
+            leak_check(0)
+        finally:
+            hold.unstick(_pages(a))
+            hold.unpin(_pages(a))
+            g.release_drained(alloc)
+            transfer_drain.reset()
+        assert alloc.available_size() == total
+
+
 def test_a_failed_allocation_without_held_pages_fails_at_once(make_side, guarded):
     import time
 

@@ -66,6 +66,26 @@ def test_concurrent_pin_unpin_balances():
     assert h.snapshot()["pinned"] == 0
 
 
+def test_pages_of_a_failed_send_count_as_unusable_until_freed_or_released():
+    from sglang_kvguard.page_hold import PageHold
+
+    class Ids(list):  # the page-id tensor the allocator's free sink gets (tolist, slicing)
+        def tolist(self):
+            return list(self)
+
+    h = PageHold("prefill")
+    h.page_size = 16
+    h.pin([3, 4, 5])
+    h.stick([3, 4, 5])  # the send failed; its peer's verdict is pending
+    assert h.stuck_unheld_pages() == 3  # still in the radix cache: not capacity
+    assert h.divert(Ids([4])) == [] and h.held_pages() == 1  # the radix cache evicts page 4
+    assert h.stuck_unheld_pages() == 2  # page 4 is counted as held now, never twice
+    assert h.snapshot()["stuck"] == 3
+    h.unstick([3, 4, 5])  # the peer is gone
+    h.unpin([3, 4, 5])
+    assert h.stuck_unheld_pages() == 0 and h.take_releasable() == [4]
+
+
 def test_row_hold_keeps_a_pinned_row_until_its_last_pin_goes_then_frees_it_once():
     from sglang_kvguard.page_hold import RowHold
 
