@@ -529,3 +529,12 @@ def record_metrics(role: str, comps: Sequence[Component], active: Optional[set])
                 g.labels(component=c.name, guard=guard, state=state, role=role).set(1)
     except Exception:  # noqa: BLE001 - metrics never stop a node
         pass
+
+
+def is_mooncake_manager(kv_manager) -> bool:
+    """SGLang's own Mooncake manager (``mooncake`` and ``mooncake_tcp``), the transfer
+    path kvguard's transfer guards hook; a subclass from another backend (Ascend's
+    ``AscendKVManager``) replaces that path."""
+    cls = type(kv_manager)
+    return (any(c.__name__ == "MooncakeKVManager" for c in cls.__mro__)
+            and cls.__module__.startswith("sglang.srt.disaggregation.mooncake"))

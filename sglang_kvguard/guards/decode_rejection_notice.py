@@ -54,6 +54,7 @@ import time
 import urllib.request
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .. import transfer_components
 from ..activation import pd_role
 from ..engine import suspension
 from ..engine.guard import ACTIVE, Decision, Guard
@@ -238,10 +239,6 @@ def notify_prefill(prealloc_queue, req) -> bool:
 ABORT_NOTICED = "_kvguard_abort_noticed"
 
 
-def _is_mooncake(kv_manager) -> bool:
-    return any(c.__name__ == "MooncakeKVManager" for c in type(kv_manager).__mro__)
-
-
 def notify_abort(receiver) -> bool:
     """Decode aborted ``receiver``'s room before it concluded: tell its prefill.
 
@@ -261,7 +258,7 @@ def notify_abort(receiver) -> bool:
         kv = getattr(receiver, "kv_mgr", None)
         room = getattr(receiver, "bootstrap_room", None)
         addr = getattr(receiver, "bootstrap_addr", None)
-        if kv is None or room is None or not addr or not _is_mooncake(kv):
+        if kv is None or room is None or not addr or not transfer_components.is_mooncake_manager(kv):
             return False
         from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 

@@ -36,6 +36,7 @@ import logging
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..activation import SCHEDULER_INIT, pd_role
+from ..transfer_components import is_mooncake_manager
 from ..config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 
@@ -215,14 +216,6 @@ MOONCAKE_GUARDS: Dict[str, Tuple[str, ...]] = {
     "decode": ("page_generation", "decode_destination_hold", "decode_deferred_release", "destination_canary",
                "transfer_checksum", "transfer_coverage", "rejection_notice", "decode_rejection_notice"),
 }
-
-
-def is_mooncake_manager(kv_manager) -> bool:
-    """SGLang's own Mooncake manager (``mooncake`` and ``mooncake_tcp``); a subclass
-    from another backend (Ascend's ``AscendKVManager``) replaces its transfer path."""
-    cls = type(kv_manager)
-    return (any(c.__name__ == "MooncakeKVManager" for c in cls.__mro__)
-            and cls.__module__.startswith("sglang.srt.disaggregation.mooncake"))
 
 
 def backend_gaps(server_args, kv_manager) -> List[str]:

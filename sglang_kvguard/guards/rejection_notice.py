@@ -44,6 +44,7 @@ import time
 import urllib.request
 from typing import Callable, Dict, Tuple
 
+from .. import transfer_components
 from ..engine import suspension
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
@@ -271,10 +272,10 @@ ROOM_END = "ended by prefill before any KV was sent"
 def _is_mooncake_sender(sender) -> bool:
     try:
         from sglang.srt.disaggregation.base.conn import BaseKVSender
-        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     except Exception:  # noqa: BLE001
         return False
-    return isinstance(sender, BaseKVSender) and isinstance(getattr(sender, "kv_mgr", None), MooncakeKVManager)
+    kv = getattr(sender, "kv_mgr", None)
+    return isinstance(sender, BaseKVSender) and kv is not None and transfer_components.is_mooncake_manager(kv)
 
 
 def note_prefill_room_end(sender) -> str:
