@@ -166,7 +166,7 @@ class _Notifier:
             return [(ip, port) for d, ip, port in ranks if d == room % dp]
         return [(ip, port) for _d, ip, port in ranks]
 
-    def send(self, addr: str, frames: List[bytes], room: int) -> int:
+    def send(self, addr: str, frames: List[bytes], room: int, what: str = "rejected") -> int:
         import zmq
 
         sent = 0
@@ -175,26 +175,26 @@ class _Notifier:
                 self.sockets.get(ip, port).send_multipart(frames, flags=zmq.DONTWAIT)
                 sent += 1
             except Exception as exc:  # noqa: BLE001
-                log.warning("kvguard: could not tell prefill rank %s:%s that decode rejected room %s: %s",
-                            ip, port, room, exc)
+                log.warning("kvguard: could not tell prefill rank %s:%s that decode %s room %s: %s",
+                            ip, port, what, room, exc)
         return sent
 
     def _run(self) -> None:
         from .. import metrics
 
         while True:
-            addr, room, frames, message = self.q.get()
+            addr, room, frames, message, what = self.q.get()
             try:
-                sent = self.send(addr, frames, room)
+                sent = self.send(addr, frames, room, what)
             except Exception as exc:  # noqa: BLE001 - keep the thread alive
                 log.warning("kvguard: decode rejection notice for room %s failed: %s", room, exc)
                 sent = 0
             if sent:
                 metrics.count("decode_rejection_notices", n=sent)
-                log.info("told %d prefill rank(s) at %s that decode rejected room %s: %s", sent, addr, room, message)
+                log.info("told %d prefill rank(s) at %s that decode %s room %s: %s", sent, addr, what, room, message)
             else:
-                log.warning("kvguard: no prefill rank at %s could be told that decode rejected room %s; "
-                            "prefill answers after its bootstrap timeout", addr, room)
+                log.warning("kvguard: no prefill rank at %s could be told that decode %s room %s; "
+                            "prefill answers after its bootstrap timeout", addr, what, room)
 
 
 _notifier: Dict[str, _Notifier] = {}
@@ -208,13 +208,14 @@ def _get_notifier() -> _Notifier:
         return n
 
 
-def notify_room(kv_manager, addr: str, room, status: int, message: str) -> bool:
-    """Queue a notice for ``room`` to the prefill at bootstrap address ``addr``."""
+def notify_room(kv_manager, addr: str, room, status: int, message: str, what: str = "rejected") -> bool:
+    """Queue a notice for ``room`` to the prefill at bootstrap address ``addr`` (``what``
+    decode did with it, for the log: "rejected" at its door, or "aborted")."""
     local_ip, rank_port = getattr(kv_manager, "local_ip", None), getattr(kv_manager, "rank_port", None)
     if local_ip is None or rank_port is None or room is None or not addr:
         return False
     frames = encode(int(room), local_ip, rank_port, status, message)
-    _get_notifier().submit((addr, int(room), frames, message))
+    _get_notifier().submit((addr, int(room), frames, message, what))
     return True
 
 
@@ -266,7 +267,7 @@ def notify_abort(receiver) -> bool:
             return False
         setattr(receiver, ABORT_NOTICED, True)
         reason = (getattr(kv, "failure_records", None) or {}).get(room) or "Aborted by AbortReq."
-        return notify_room(kv, addr, room, 500, f"decode aborted the request: {reason}")
+        return notify_room(kv, addr, room, 500, f"decode aborted the request: {reason}", what="aborted")
     except Exception as exc:  # noqa: BLE001 - never break the scheduler thread
         log.warning("kvguard: could not queue the decode abort notice: %s", exc)
         return False

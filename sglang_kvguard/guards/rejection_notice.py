@@ -42,7 +42,7 @@ import struct
 import threading
 import time
 import urllib.request
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, NamedTuple, Tuple
 
 from .. import transfer_components
 from ..engine import suspension
@@ -152,6 +152,17 @@ def _socket(endpoint: str, port: int):
     return _push.get(endpoint, port)
 
 
+class Pending(NamedTuple):
+    """A notice for decode that waits for decode's transfer info (its endpoint)."""
+
+    status: int
+    message: str
+    event: str  # the metric counted when it is sent
+    what: str  # what happened to the room, for the log
+    room_end: bool  # True: prefill ended the room (remembered once told); False: its door rejected it
+    t: float  # monotonic time it was noted (last: _prune reads v[-1])
+
+
 def _send_notices(kv, room: int, status: int, message: str, event: str = "rejection_notices",
                   what: str = "was rejected") -> int:
     """Send notice + Failed to every decode endpoint known for ``room``; returns how many."""
@@ -257,7 +268,7 @@ def note_prefill_rejection(kv, req, bootstrap_queue=None) -> None:
         infos = getattr(kv, "transfer_infos", {}).get(room)
         if infos and _send_notices(kv, room, status, message):
             return
-        pending[room] = (status, message, time.monotonic())
+        pending[room] = Pending(status, message, "rejection_notices", "was rejected", False, time.monotonic())
 
 
 def _on_door_drain(queue, req) -> None:
@@ -305,7 +316,7 @@ def note_prefill_room_end(sender) -> str:
         if infos and _send_notices(kv, room, 500, message, "room_end_notices", ROOM_END):
             done[room] = (time.monotonic(),)
             return "told decode"
-        pending[room] = (500, message, "room_end_notices", ROOM_END, time.monotonic())
+        pending[room] = Pending(500, message, "room_end_notices", ROOM_END, True, time.monotonic())
         return "decode is told when its transfer info arrives"
 
 
@@ -327,8 +338,9 @@ def _update_status(original: Callable) -> Callable:
         if pending and int(status) == 2 and bootstrap_room in pending:  # KVPoll.WaitingForInput
             with _lock:
                 entry = pending.pop(bootstrap_room, None)
-                if entry is not None and _send_notices(self, bootstrap_room, entry[0], entry[1], *entry[2:-1]):
-                    if len(entry) > 3:  # a room prefill ended: remember that decode was told
+                if entry is not None and _send_notices(self, bootstrap_room, entry.status, entry.message,
+                                                       entry.event, entry.what):
+                    if entry.room_end:  # a room prefill ended: remember that decode was told
                         self.__dict__.setdefault("_kvguard_room_end_told", {})[bootstrap_room] = (time.monotonic(),)
                     return None
                 if entry is not None:

@@ -30,7 +30,7 @@ def test_capacity_rejection_is_remembered_for_decode(sgl, make_side, kvguard):
         assert sgl.snapshot(p) == before
         reason = req.finished_reason
         assert reason.status_code == HTTPStatus.BAD_REQUEST
-        status, message, _ = _pending(p)[88001]
+        status, message = _pending(p)[88001][:2]
         assert status == 400 and message == reason.message and "700" in message
 
 
@@ -48,7 +48,7 @@ def test_door_rejection_is_remembered_for_decode(sgl, make_side, kvguard):
             # scheduler stand-in records it instead
             assert p.scheduler.retired_unadmitted == [req]
             pytest.skip("retire_unadmitted_request is exercised through real servers (server tier)")
-        status, message, _ = _pending(p)[88002]
+        status, message = _pending(p)[88002][:2]
         assert (status, message) == (400, msg)
 
 

@@ -85,9 +85,14 @@ def test_aborts_at_every_phase_leave_nothing_behind(guarded, release):
     decode_log = guarded.log_text("decode")
     hits = re.findall(r"Decode (\w+) failed for request .*?rid='kvguard-abort-(\d+)'.*?Aborted by AbortReq", decode_log)
     phases = sorted({phase for phase, _ in hits})
-    print(f"aborts seen by decode: {len(hits)} of {len(DELAYS)}, phases {phases}")
+    # an abort that reaches decode once the request is decoding ends it there with an abort
+    # finish reason and no "failed" line (on a fast machine, from about 50 ms on)
+    decoding = {str(i) for i in range(len(DELAYS)) if _ended_by_abort(results.get(f"kvguard-abort-{i}"))}
+    landed = {i for _, i in hits} | decoding
+    print(f"aborts seen by decode: {len(hits)} of {len(DELAYS)} before decoding (phases {phases}), "
+          f"{len(decoding - {i for _, i in hits})} more while decoding")
     # late aborts find the request already answered; the early ones must land
-    assert len({i for _, i in hits}) >= 3, (hits, decode_log[-3000:])
+    assert len(landed) >= 3, (hits, sorted(decoding), decode_log[-3000:])
 
     for role in ("prefill", "decode"):
         want = before[role]
@@ -100,6 +105,18 @@ def test_aborts_at_every_phase_leave_nothing_behind(guarded, release):
 
     assert _reference(guarded) == reference
     assert "Traceback" not in guarded.log_text("prefill") and "Traceback" not in guarded.log_text("decode")
+
+
+def _ended_by_abort(r) -> bool:
+    """Whether an answer is the end of an aborted request (an error, or a finish reason of
+    type abort)."""
+    if r is None:
+        return False
+    if r.status != 200:
+        return True
+    body = r.json if isinstance(r.json, dict) else {}
+    reason = (body.get("meta_info") or {}).get("finish_reason") or {}
+    return isinstance(reason, dict) and reason.get("type") == "abort"
 
 
 def _early_abort(d, rid: str):
