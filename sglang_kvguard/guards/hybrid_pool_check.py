@@ -266,27 +266,24 @@ def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Op
     if role not in AFFECTED:
         return "ok"
     active = active_guards() if active is None else active
-    gaps = pool_gaps(allocator, req_to_token_pool)
     hit: Dict[str, List[str]] = {}
-    for gap, why in gaps:
-        for guard in AFFECTED[role][gap]:
+
+    def gap(why: str, guards) -> None:  # each active guard of ``guards`` misses ``why``
+        for guard in guards:
             if active is None or guard in active:
                 hit.setdefault(guard, []).append(why)
+
+    for kind, why in pool_gaps(allocator, req_to_token_pool):
+        gap(why, AFFECTED[role][kind])
     for why in layout:
-        for guard in LAYOUT_GUARDS[role]:
-            if active is None or guard in active:
-                hit.setdefault(guard, []).append(why)
+        gap(why, LAYOUT_GUARDS[role])
     for why in backend:
-        for guard in MOONCAKE_GUARDS[role]:
-            if active is None or guard in active:
-                hit.setdefault(guard, []).append(why)
+        gap(why, MOONCAKE_GUARDS[role])
     kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
     comps = []
     if kv_args is None:  # a PD node whose transfer registration cannot be read: nothing can be called covered
-        why = "what this node registered with its transfer backend (the KV manager's KVArgs) could not be read"
-        for guard in transfer_components.PAGE_GUARDS[role]:
-            if active is None or guard in active:
-                hit.setdefault(guard, []).append(why)
+        gap("what this node registered with its transfer backend (the KV manager's KVArgs) could not be read",
+            transfer_components.PAGE_GUARDS[role])
     elif kv_args is not _NO_KV_ARGS:
         comps = transfer_components.describe(kv_args, kv, draft_pool)
         if is_hisparse(allocator):

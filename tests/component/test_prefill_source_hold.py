@@ -529,6 +529,22 @@ def test_alloc_extend_never_runs_its_kernel_over_a_short_free_list(make_side, gu
         alloc.free(rest)
 
 
+def _worker_that_will_fail():
+    """SGLang's real ``MooncakeKVManager`` (built without ``__init__``) with what its
+    ``transfer_worker`` reads, and an item on its queue that is not a chunk: upstream's
+    loop fails on it."""
+    import threading
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    kv = MooncakeKVManager.__new__(MooncakeKVManager)
+    kv.__dict__.update(transfer_queues=[_fast_queue()], transfer_infos={}, bootstrap_port=8998, _stopped=False,
+                       enable_staging=False, attn_tp_rank=0, pp_size=1, attn_cp_size=1, pp_rank=0, attn_cp_rank=0,
+                       session_lock=threading.Lock(), failed_sessions=set(), enable_trace=False)
+    kv.transfer_queues[0].put(object())
+    return kv
+
+
 def test_a_dead_transfer_worker_stops_the_server_instead_of_leaving_it_hanging(guarded, monkeypatch):
     """SGLang's real ``MooncakeKVManager.transfer_worker`` (built without ``__init__``)
     ends on any exception ("Transfer thread failed ... Prefill instance ... is dead"),
@@ -537,17 +553,11 @@ def test_a_dead_transfer_worker_stops_the_server_instead_of_leaving_it_hanging(g
     fails (here the stop is recorded instead of sent)."""
     import threading
 
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-
     from sglang_kvguard.guards import prefill_source_hold as g
 
     stops = []
     monkeypatch.setattr(g, "STOP_SERVER", lambda: stops.append(threading.current_thread().name))
-    kv = MooncakeKVManager.__new__(MooncakeKVManager)
-    kv.__dict__.update(transfer_queues=[_fast_queue()], transfer_infos={}, bootstrap_port=8998, _stopped=False,
-                       enable_staging=False, attn_tp_rank=0, pp_size=1, attn_cp_size=1, pp_rank=0, attn_cp_rank=0,
-                       session_lock=threading.Lock(), failed_sessions=set(), enable_trace=False)
-    kv.transfer_queues[0].put(object())  # not a chunk: upstream's loop fails on it
+    kv = _worker_that_will_fail()  # not a chunk: upstream's loop fails on it
     died = []
 
     def run():
@@ -565,19 +575,11 @@ def test_a_dead_transfer_worker_stops_the_server_instead_of_leaving_it_hanging(g
 
 
 def test_unguarded_a_dead_transfer_worker_leaves_the_server_up(monkeypatch):
-    import threading
-
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-
     from sglang_kvguard.guards import prefill_source_hold as g
 
     stops = []
     monkeypatch.setattr(g, "STOP_SERVER", lambda: stops.append(1))
-    kv = MooncakeKVManager.__new__(MooncakeKVManager)
-    kv.__dict__.update(transfer_queues=[_fast_queue()], transfer_infos={}, bootstrap_port=8998, _stopped=False,
-                       enable_staging=False, attn_tp_rank=0, pp_size=1, attn_cp_size=1, pp_rank=0, attn_cp_rank=0,
-                       session_lock=threading.Lock(), failed_sessions=set(), enable_trace=False)
-    kv.transfer_queues[0].put(object())
+    kv = _worker_that_will_fail()
     with pytest.raises(Exception):  # noqa: B017 - upstream's own wording differs by release
         kv.transfer_worker(kv.transfer_queues[0], concurrent.futures.ThreadPoolExecutor(1))
     assert stops == []  # upstream: the thread ends, nothing else happens
