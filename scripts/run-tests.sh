@@ -53,7 +53,7 @@ print(others[int(sys.argv[1][:8] or '0', 16) % len(others)] if others else '')" 
   ENGINE=${KVGUARD_ENGINE_RELEASES:-"0.5.10 0.5.19 0.5.23 $EXTRA"}
   COMPONENT=${KVGUARD_COMPONENT_RELEASES:-"0.5.10 0.5.19 0.5.23 $EXTRA"}
   SERVER=${KVGUARD_SERVER_RELEASES:-"0.5.10 0.5.19 0.5.23"}
-  # The slowest server modules (chaos soak, smoke record) run on one server release per
+  # The slowest server modules (smoke record, live probe) run on one server release per
   # run, also picked by the commit hash (tests/server/server_tier.py rotating_module).
   if [[ -z ${KVGUARD_SERVER_ROTATION:-} ]]; then
     COMMIT=${COMMIT:-$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo 0)}
@@ -62,7 +62,7 @@ import sys
 rels = sys.argv[2:]
 print(rels[int(sys.argv[1][8:16] or '0', 16) % len(rels)] if rels else 'all')" "$COMMIT" $SERVER)
   fi
-  echo "=== rotating server modules (chaos soak, smoke record) run on: $KVGUARD_SERVER_ROTATION" >&2
+  echo "=== rotating server modules (smoke record, live probe) run on: $KVGUARD_SERVER_ROTATION" >&2
 fi
 
 status=0
