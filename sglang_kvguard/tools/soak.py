@@ -56,6 +56,7 @@ class ChaosEvent:
     name: str  # "freeze", "restart", ...
     action: Callable[[], None]  # blocks until the node is back
     settle_s: float = 3.0  # after ``action`` returns, requests still count as inside the window
+    quiet: bool = False  # run it once the clients have paused and nothing is in flight
 
 
 @dataclass
@@ -380,6 +381,21 @@ class Soak:
                 self.flushes["lull_ok"] = self.flushes.get("lull_ok", 0) + (st == 200)
         gate.set()
 
+    def _quiet(self, ev: ChaosEvent, gate: threading.Event, lock: threading.Lock, in_flight: List[int]) -> None:
+        """A chaos event that needs idle nodes (a flush that only an idle scheduler takes):
+        the clients pause, and once nothing is in flight the event runs."""
+        gate.clear()
+        try:
+            deadline = time.monotonic() + self.cfg.bound_s
+            while time.monotonic() < deadline:
+                with lock:
+                    if in_flight[0] == 0:
+                        break
+                time.sleep(0.02)
+            self._chaos(ev)
+        finally:
+            gate.set()
+
     # -- flushes
     def _flusher(self) -> None:
         rng = random.Random(f"soak-flush:{self.cfg.seed}")
@@ -516,6 +532,8 @@ class Soak:
                 time.sleep(0.05)
             if ev.name == "lull":
                 self._lull(gate, lock, in_flight)
+            elif ev.quiet:
+                self._quiet(ev, gate, lock, in_flight)
             else:
                 self._chaos(ev)
         for t in threads:

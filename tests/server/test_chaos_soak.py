@@ -6,8 +6,10 @@ time; a quarter of them aborted as a load balancer does (client disconnect plus
 ``/abort_request`` on both nodes) at a random moment, some clients just going away;
 ``/flush_cache`` on both nodes at random moments. While it runs, this test freezes
 the decode node, then the prefill node (SIGSTOP of the whole process group, a few
-seconds), freezes decode again while prefill is asked to flush its cache, and kills
-the decode node (SIGKILL) and starts it again.
+seconds), freezes decode again while prefill is asked to flush its cache, kills
+the decode node (SIGKILL) and starts it again, and, with the clients paused, asks decode
+to flush while it holds the pages of a transfer it aborted from a frozen prefill (issue
+18's flush defect: without flush_barrier this soak fails with "decode died").
 
 Checked (the soak's own verdict): every 200 answer equals its prompt's greedy answer
 sent alone, every over-limit prompt gets a 4xx naming the real limit, every request
@@ -83,9 +85,55 @@ def _flush_during_freeze(d, statuses: list) -> None:
         t.join()
 
 
+def _decode_flush_while_it_holds_pages(d, statuses: list) -> None:
+    """Issue 18's flush defect, on idle nodes (a quiet event: the soak's clients pause
+    first): prefill's scheduler is frozen, one request's decode half reaches decode
+    directly (the router may still have its circuit breaker open after the restart),
+    decode reserves its pages and the request is aborted there; decode now holds those
+    pages (a transfer from the frozen prefill may still write them) and is otherwise
+    idle. It gets /flush_cache twice. Guarded, 400 (flush_barrier); without the guard up
+    to 0.5.22 the flush resets the allocator under the held pages (200), and on
+    0.5.10-0.5.20 upstream's idle leak check then kills the decode scheduler once the
+    pages come back."""
+    import random
+    import signal
+
+    from server_tier import VOCAB
+    from sglang_kvguard.demo.tinymodel import prompt_of_tokens
+    from test_admission_load import _baseline, resources
+    from test_decode_quarantine import _scheduler_pid
+
+    before = _baseline(d, "decode")[0]
+    room = random.getrandbits(62)
+    rid = f"kvguard-soak-decode-flush-{room}"
+    boot = {"bootstrap_host": d.host, "bootstrap_port": d.bootstrap_port("prefill"), "bootstrap_room": room}
+    pid = _scheduler_pid(d, "prefill")
+    os.kill(pid, signal.SIGSTOP)
+    t = threading.Thread(target=lambda: d.generate(prompt_of_tokens(120, vocab=VOCAB, offset=5), max_new_tokens=4,
+                                                   url=d.decode_url, timeout=60, rid=rid, **boot), daemon=True)
+    try:
+        t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            got = resources(d, "decode")
+            if got["kvguard_kv_free_tokens"] + got["kvguard_kv_evictable_tokens"] < before:
+                break  # decode reserved the pages and waits for the frozen prefill
+            time.sleep(0.3)
+        else:
+            raise AssertionError("decode never reserved pages for the request")
+        http_request(d.decode_url + "/abort_request", {"rid": rid}, timeout=30)
+        for _ in range(2):
+            time.sleep(1.0)
+            statuses.append(http_request(d.decode_url + "/flush_cache", {}, timeout=30).status)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        t.join(60)
+
+
 def test_chaos_soak_no_crash_no_hang_no_foreign_kv(soak_trio, release, tmp_path):
     d = soak_trio
     flushes: list = []
+    decode_flushes: list = []
     chaos = [
         ChaosEvent(at=REQUESTS * 20 // 100, name="freeze decode", action=lambda: d.freeze("decode", 3.0)),
         ChaosEvent(at=REQUESTS * 40 // 100, name="freeze prefill", action=lambda: d.freeze("prefill", 3.0)),
@@ -93,6 +141,8 @@ def test_chaos_soak_no_crash_no_hang_no_foreign_kv(soak_trio, release, tmp_path)
                    action=lambda: _flush_during_freeze(d, flushes)),
         ChaosEvent(at=REQUESTS * 60 // 100, name="restart decode", action=lambda: d.restart("decode"),
                    settle_s=5.0),
+        ChaosEvent(at=REQUESTS * 80 // 100, name="flush decode while it holds an aborted transfer's pages",
+                   action=lambda: _decode_flush_while_it_holds_pages(d, decode_flushes), quiet=True),
     ]
     cfg = SoakConfig(url=d.router_url, requests=REQUESTS, seed=SEED, nodes=(d.prefill_url, d.decode_url),
                      chaos=chaos, alive=d.alive, token_range=(3, 250), bound_s=BOUND_S)
@@ -102,8 +152,11 @@ def test_chaos_soak_no_crash_no_hang_no_foreign_kv(soak_trio, release, tmp_path)
     with open(path, "w") as f:
         json.dump(rep.as_dict(), f, indent=1, default=str)
     print(render(rep))
-    print(f"soak report: {path}; prefill /flush_cache while decode was frozen: {flushes}")
+    print(f"soak report: {path}; prefill /flush_cache while decode was frozen: {flushes}; decode /flush_cache "
+          f"while it held an aborted transfer's pages: {decode_flushes}")
     assert rep.ok, render(rep)
     assert len(flushes) == 2 and set(flushes) <= {200, 400}, flushes
+    if "flush_barrier" not in os.environ.get("KVGUARD_SOAK_EXTRA_ARGS", ""):
+        assert decode_flushes == [400, 400], decode_flushes  # pages a transfer may still write were held
     assert rep.counts["requests"] >= 150 or REQUESTS < 150
     assert rep.counts.get("aborts_landed", 0) >= 20 or REQUESTS < 150, rep.summary()
