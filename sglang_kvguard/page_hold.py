@@ -250,6 +250,9 @@ class PageHold:
     def held_tokens(self) -> int:
         return self.held_pages() * self.page_size
 
+    def stuck_unheld_tokens(self) -> int:
+        return self.stuck_unheld_pages() * self.page_size
+
     def snapshot(self) -> dict:
         with self._lock:
             return {

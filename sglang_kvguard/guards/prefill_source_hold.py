@@ -770,7 +770,7 @@ def _available_size(original: Callable) -> Callable:
         hold = HOLDS.get(ROLE)
         if hold is None or not hold._stuck or getattr(_raw, "on", False) or not hold.owns(self):
             return n
-        return n - hold.stuck_unheld_pages() * hold.page_size
+        return n - hold.stuck_unheld_tokens()
 
     return available_size
 
@@ -778,7 +778,7 @@ def _available_size(original: Callable) -> Callable:
 def unusable_tokens() -> int:
     """Tokens of failed sends' pages the prefill allocator's free size leaves out."""
     hold = HOLDS.get(ROLE)
-    return hold.stuck_unheld_pages() * hold.page_size if hold is not None else 0
+    return hold.stuck_unheld_tokens() if hold is not None else 0
 
 
 _last_sweep = {"t": 0.0}

@@ -362,16 +362,20 @@ class Soak:
         with self._lock:
             return any(s <= o.t1 and o.t0 <= e for s, e in self._windows)
 
-    def _lull(self, gate: threading.Event, lock: threading.Lock, in_flight: List[int]) -> None:
-        """Clients pause; once nothing is in flight every node gets /flush_cache (idle:
-        it must succeed, right behind the last requests, rejections among them)."""
-        gate.clear()
+    def _wait_idle(self, lock: threading.Lock, in_flight: List[int]) -> None:
+        """Wait (at most ``bound_s``) until no request is in flight; the clients are paused."""
         deadline = time.monotonic() + self.cfg.bound_s
         while time.monotonic() < deadline:
             with lock:
                 if in_flight[0] == 0:
-                    break
+                    return
             time.sleep(0.02)
+
+    def _lull(self, gate: threading.Event, lock: threading.Lock, in_flight: List[int]) -> None:
+        """Clients pause; once nothing is in flight every node gets /flush_cache (idle:
+        it must succeed, right behind the last requests, rejections among them)."""
+        gate.clear()
+        self._wait_idle(lock, in_flight)
         for url, _role in self.nodes:
             st, _ = self.http.post(url + "/flush_cache", {}, timeout=30)
             with self._lock:
@@ -386,12 +390,7 @@ class Soak:
         the clients pause, and once nothing is in flight the event runs."""
         gate.clear()
         try:
-            deadline = time.monotonic() + self.cfg.bound_s
-            while time.monotonic() < deadline:
-                with lock:
-                    if in_flight[0] == 0:
-                        break
-                time.sleep(0.02)
+            self._wait_idle(lock, in_flight)
             self._chaos(ev)
         finally:
             gate.set()

@@ -100,8 +100,8 @@ def _decode_flush_while_it_holds_pages(d, statuses: list) -> None:
 
     from server_tier import VOCAB
     from sglang_kvguard.demo.tinymodel import prompt_of_tokens
-    from test_admission_load import _baseline, resources
-    from test_decode_quarantine import _scheduler_pid
+    from test_admission_load import _baseline
+    from test_decode_quarantine import _scheduler_pid, decode_reserved
 
     before = _baseline(d, "decode")[0]
     room = random.getrandbits(62)
@@ -113,14 +113,7 @@ def _decode_flush_while_it_holds_pages(d, statuses: list) -> None:
                                                    url=d.decode_url, timeout=60, rid=rid, **boot), daemon=True)
     try:
         t.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            got = resources(d, "decode")
-            if got["kvguard_kv_free_tokens"] + got["kvguard_kv_evictable_tokens"] < before:
-                break  # decode reserved the pages and waits for the frozen prefill
-            time.sleep(0.3)
-        else:
-            raise AssertionError("decode never reserved pages for the request")
+        assert decode_reserved(d, before), "decode never reserved pages for the request"
         http_request(d.decode_url + "/abort_request", {"rid": rid}, timeout=30)
         for _ in range(2):
             time.sleep(1.0)

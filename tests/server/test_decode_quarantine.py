@@ -52,6 +52,18 @@ def _scheduler_pid(d, role: str) -> int:
     return int(m[-1])
 
 
+def decode_reserved(d, before: int, timeout: float = 30) -> bool:
+    """Wait until decode's usable tokens drop below ``before``: it reserved the pages of a
+    request that now waits for the (frozen) prefill."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = resources(d, "decode")
+        if got["kvguard_kv_free_tokens"] + got["kvguard_kv_evictable_tokens"] < before:
+            return True
+        time.sleep(0.3)
+    return False
+
+
 def _abort_on_decode_while_prefill_is_frozen(d, rid: str):
     """SIGSTOP prefill's scheduler, send a request, abort it on decode once decode holds
     its pages. Returns (prefill scheduler pid, client thread, baseline usable tokens)."""
@@ -62,13 +74,7 @@ def _abort_on_decode_while_prefill_is_frozen(d, rid: str):
     t = threading.Thread(target=lambda: box.update(r=d.generate(
         prompt_of_tokens(PROMPT, vocab=VOCAB, offset=3), max_new_tokens=4, timeout=30, rid=rid)))
     t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        got = resources(d, "decode")
-        if got["kvguard_kv_free_tokens"] + got["kvguard_kv_evictable_tokens"] < before[0]:
-            break  # decode reserved the pages and waits for the frozen prefill
-        time.sleep(0.3)
-    else:
+    if not decode_reserved(d, before[0]):
         os.kill(pid, signal.SIGCONT)
         pytest.fail("decode never reserved pages for the request")
     http_request(d.decode_url + "/abort_request", {"rid": rid}, timeout=30)
