@@ -13,15 +13,20 @@
  * Switches (spin -D...):
  *   release family, exactly one: REL_0519 | REL_0523
  *   guards: ADMISSION_DRAIN REJECTION_NOTICE COVERAGE SOURCE_HOLD DEST_HOLD QUARANTINE
- *           GENERATION CHECKSUM CANARY POOL_CHECK FLUSH_BARRIER
+ *           GENERATION CHECKSUM CANARY POOL_CHECK FLUSH_BARRIER PEER_LIVENESS
+ *           (PEER_LIVENESS is read only with PEER_CAN_DIE)
  *   properties (safety): PROP_ISOLATION PROP_FID200 PROP_FID4XX PROP_REUSE_SRC
  *           PROP_REUSE_DST PROP_LATEWRITE PROP_CONSERVATION PROP_UAF PROP_TERMINAL
  *   property (LTL, pan -a -f): PROGRESS
  *   environment: PEER_NEVER_RESUMES (a failed batch never lands; default: it may land
  *           at any later time, and does eventually); NO_CLIENT_ABORT (clients wait);
- *           ANY_FIT (request 1 may also be a prompt that fits: extended check, not in CI)
+ *           ANY_FIT (request 1 may also be a prompt that fits: extended check, not in CI);
+ *           PEER_CAN_DIE (the peer of a failed batch may vanish: the batch never lands);
+ *           ROUTER_RETRY (the router retries a request answered 500 once, as room 3: a new
+ *           bootstrap room carrying the same prompt; room 3 is then only that retry)
  *   non-vacuity probes: REACH_TWO_200 REACH_NOTICE_400 REACH_LATE_INTO_HELD
- *           REACH_SOURCE_HELD REACH_FLUSH REACH_QUARANTINE (each must be reachable)
+ *           REACH_SOURCE_HELD REACH_FLUSH REACH_QUARANTINE REACH_RETRY_200 (with
+ *           ROUTER_RETRY) REACH_DEAD_RELEASE (with PEER_CAN_DIE) (each must be reachable)
  *   bounds: NREQ = 2 or 3 (default 3), NPAGE = 3..7 pages per node (default 6);
  *           two chunks (one page each) per request.
  *
@@ -55,6 +60,13 @@
 
 #define NOPAGE 255
 #define KV(r,c)     (2*(r)+(c))
+/* whose prompt room r carries: its own, or (ROUTER_RETRY) the retried request's */
+#ifdef ROUTER_RETRY
+#define PROMPT(r)   (((r) == 3 && retry_of != 0) -> retry_of : (r))
+#else
+#define PROMPT(r)   (r)
+#endif
+#define KVP(r,c)    KV(PROMPT(r), c)   /* the KV room r's forward writes: same prompt, same KV */
 #define CANVAL(r)   (8+(r))
 
 /* transfer chunk (one page) */
@@ -62,6 +74,7 @@
 #define C_INFLIGHT 1   /* batch running: it will read its source page and write its destination */
 #define C_TIMEDOUT 2   /* the worker saw the batch fail (timeout) and moved on; the batch still runs */
 #define C_DONE     3   /* landed, or never sent: touches no page any more */
+#define C_DEAD     4   /* (PEER_CAN_DIE) its peer vanished: it never lands; only a liveness probe can tell */
 
 /* prefill phase */
 #define P_NONE   0
@@ -114,6 +127,12 @@ byte pls[2*(NREQ+1)];            /* prefill claim on ppg[2r+c] */
 byte ch[2*(NREQ+1)];             /* transfer chunk state */
 bit  flushed_d, flushed_p;    /* each scheduler gets one /flush_cache at most */
 bit  rejected1;               /* request 1 is the prompt prefill rejects (else it fits) */
+#ifdef ROUTER_RETRY
+byte retry_of;                /* room 3 is the router's retry of this request (0: no retry yet) */
+#if NREQ != 3
+#error "ROUTER_RETRY needs NREQ 3 (room 3 is the retry)"
+#endif
+#endif
 
 byte q, pa, pb, bad;          /* scratch inside a step; always 0 between steps
                                  (not "hidden": BFS cannot use hidden variables) */
@@ -138,6 +157,13 @@ byte n200;
 #define BUSY(r,c)    (CH(r,c) == C_INFLIGHT || CH(r,c) == C_TIMEDOUT)
 #define INFL(r)      (CH(r,0) == C_INFLIGHT || CH(r,1) == C_INFLIGHT)
 #define TOUT(r)      (CH(r,0) == C_TIMEDOUT || CH(r,1) == C_TIMEDOUT)
+/* what the holds can tell: a batch whose peer died looks unsettled for ever, unless
+ * peer_liveness confirms the peer gone (its session port refuses connections) */
+#if defined(PEER_CAN_DIE) && !defined(PEER_LIVENESS)
+#define KBUSY(r,c)   (BUSY(r,c) || CH(r,c) == C_DEAD)
+#else
+#define KBUSY(r,c)   BUSY(r,c)
+#endif
 #define HOLDING(x)   ((x) == L_HELD || (x) == L_QUAR)
 #define CLAIMS(x)    ((x) != L_NONE)
 
@@ -152,7 +178,7 @@ byte n200;
  * 0.5.19 with decode_destination_hold: kvguard's KVGUARD_DRAINED/1 (transfer_drain),
  * sent when no chunk is queued or in flight and withheld while a failed send of the room
  * is unsettled (prefill_source_hold).  Either way: no chunk may still write. */
-#define D_DRAINED(r) (!INFL(r) && !TOUT(r))
+#define D_DRAINED(r) (!KBUSY(r,0) && !KBUSY(r,1))
 
 /* decode page p will still be written by chunk (r,c) */
 #define DBUSY1(r,c,p) (dpg[2*(r)+(c)] == (p) && (BUSY(r,c) || (CH(r,c) == C_FUTURE && rs[r] == R_LIVE)))
@@ -232,7 +258,12 @@ byte n200;
 #endif
 
 /* every request ended and no page is owned or held (free or quarantined only) */
-#define ENDED(r) (answered[r] && !P_ACTIVE(r) && !D_ACTIVE(r) && dl[r] != L_LIVE && dl[r] != L_HELD && pls[2*(r)] != L_LIVE && pls[2*(r)] != L_HELD && pls[2*(r)+1] != L_LIVE && pls[2*(r)+1] != L_HELD)
+#ifdef ROUTER_RETRY
+#define ROOM_ANSWERED(r) (answered[r] || ((r) == 3 && retry_of == 0))   /* room 3 not needed */
+#else
+#define ROOM_ANSWERED(r) (answered[r])
+#endif
+#define ENDED(r) (ROOM_ANSWERED(r) && !P_ACTIVE(r) && !D_ACTIVE(r) && dl[r] != L_LIVE && dl[r] != L_HELD && pls[2*(r)] != L_LIVE && pls[2*(r)] != L_HELD && pls[2*(r)+1] != L_LIVE && pls[2*(r)+1] != L_HELD)
 #define ALLDONE FORALL(ENDED)
 
 /* Held pages are given back in the same step as the drain that allows it, except
@@ -298,7 +329,9 @@ inline retire(r) {
   if
   :: RETIRABLE(r) ->
      pst[r] = P_DONE; dst[r] = D_DONE; rs[r] = R_FAILED; notice[r] = 0; stub[r] = 0;
-     if :: r == 1 -> rejected1 = 0 :: else fi;
+#ifndef ROUTER_RETRY
+     if :: r == 1 -> rejected1 = 0 :: else fi;     /* (kept for a retry of r1 with ROUTER_RETRY) */
+#endif
      CH(r,0) = C_DONE; CH(r,1) = C_DONE
   :: else
   fi
@@ -363,25 +396,44 @@ inline d_fail_release(r) {
 }
 
 /* ================================================================ answers, failures */
+/* room r carries the prompt prefill rejects */
+#define REJECTED(r) (PROMPT(r) == 1 && rejected1)
+
 inline answer(r, code) {
   answered[r] = 1;
+#ifdef ROUTER_RETRY
   if
-  :: code == A_200  -> printf("  => client r%d gets HTTP 200\n", r)
-  :: code == A_400  -> printf("  => client r%d gets HTTP 400 with the rejection's own message\n", r)
-  :: code == A_500  -> printf("  => client r%d gets HTTP 500\n", r)
-  :: code == A_GONE -> printf("  => client r%d gone (no answer)\n", r)
+  :: code == A_500 && r != 3 && retry_of == 0 ->
+     /* the router retries a 500 (sglang-router's default): a new room, the same prompt;
+      * the client waits on the retry, the 500 never reaches it */
+     retry_of = r;
+     printf("  => r%d's 500 goes to the router, which retries the request as room 3\n", r)
+  :: else ->
+#endif
+  if
+  :: code == A_200  -> printf("  => client r%d gets HTTP 200\n", PROMPT(r))
+  :: code == A_400  -> printf("  => client r%d gets HTTP 400 with the rejection's own message\n", PROMPT(r))
+  :: code == A_500  -> printf("  => client r%d gets HTTP 500\n", PROMPT(r))
+  :: code == A_GONE -> printf("  => client r%d gone (no answer)\n", PROMPT(r))
   fi;
 #ifdef PROP_FID200
-  assert(!(r == 1 && rejected1 && code == A_200));                        /* error fidelity: never 200 */
+  assert(!(REJECTED(r) && code == A_200));                        /* error fidelity: never 200 */
 #endif
 #ifdef PROP_FID4XX
-  assert(!(r == 1 && rejected1 && code != A_400 && code != A_GONE));      /* error fidelity: its own 400 */
+  assert(!(REJECTED(r) && code != A_400 && code != A_GONE));      /* error fidelity: its own 400 */
+#endif
+#ifdef ROUTER_RETRY
+  skip
+  fi;
 #endif
 #ifdef REACH_NOTICE_400
   assert(!(r == 1 && code == A_400 && notice[1]));
 #endif
 #ifdef REACH_TWO_200
   if :: code == A_200 -> n200++; assert(n200 < 2) :: else fi;
+#endif
+#if defined(REACH_RETRY_200) && defined(ROUTER_RETRY)
+  assert(!(r == 3 && retry_of != 0 && code == A_200));   /* a retried request is served */
 #endif
   skip
 }
@@ -418,35 +470,44 @@ inline fail_room(r) {
 /* ================================================================ clients and router */
 
 #define FRESH(r) (!answered[r] && pst[r] == P_NONE && dst[r] == D_NONE)
+#ifdef ROUTER_RETRY
+/* room 3 is only the router's retry */
+#define FORWARD_OK(r) (FRESH(r) && ((r) < 3 || retry_of != 0))
+#else
+/* requests 2..NREQ are identical: the first of them is forwarded first (symmetry) */
+#define FORWARD_OK(r) (FRESH(r) && ((r) < 3 || !FRESH(2)))
+#endif
 
 proctype Client_router(byte r)
 {
 end:
   do
-  /* requests 2..NREQ are identical: the first of them is forwarded first (symmetry) */
-  :: d_step { FRESH(r) && (r < 3 || !FRESH(2)) ->
-       printf("r%d: router forwards to prefill and decode (@TokenizerManager__send_one_request)\n", r);
+  :: d_step { FORWARD_OK(r) ->
+       if
+       :: PROMPT(r) != r -> printf("r%d: router forwards r%d's prompt again to prefill and decode (retry; @TokenizerManager__send_one_request)\n", r, PROMPT(r))
+       :: else -> printf("r%d: router forwards to prefill and decode (@TokenizerManager__send_one_request)\n", r)
+       fi;
        dst[r] = D_QUEUED;
        printf("  decode @DecodePreallocQueue_add r%d (full prompt: 2 pages)\n", r);
        if
-       :: r == 1 ->
+       :: PROMPT(r) == 1 ->
           rejected1 = 1;
 #if defined(REL_0523)
-          printf("  prefill @validate_input_length rejects r1 (400); @is_unadmitted_reject -> @Scheduler_retire_unadmitted_request at @PrefillBootstrapQueue_add\n");
+          printf("  prefill @validate_input_length rejects r%d (400); @is_unadmitted_reject -> @Scheduler_retire_unadmitted_request at @PrefillBootstrapQueue_add\n", r);
           pst[r] = P_DONE;
 #if defined(REJECTION_NOTICE)
           printf("  rejection_notice: notice to decode + @CommonKVManager_update_status(Failed)\n");
           notice[r] = 1; fail_room(r);
 #endif
 #elif defined(ADMISSION_DRAIN)
-          printf("  prefill @validate_input_length rejects r1 (400); admission_drain withdraws it at @PrefillBootstrapQueue_add\n");
+          printf("  prefill @validate_input_length rejects r%d (400); admission_drain withdraws it at @PrefillBootstrapQueue_add\n", r);
           pst[r] = P_DONE;
 #if defined(REJECTION_NOTICE)
           printf("  rejection_notice: notice to decode + @CommonKVManager_update_status(Failed)\n");
           notice[r] = 1; fail_room(r);
 #endif
 #else
-          printf("  prefill @validate_input_length rejects r1: one-token stub, to_finish=400; @PrefillBootstrapQueue_add finds it alive\n");
+          printf("  prefill @validate_input_length rejects r%d: one-token stub, to_finish=400; @PrefillBootstrapQueue_add finds it alive\n", r);
           stub[r] = 1; pst[r] = P_QUEUED;
 #endif
           skip
@@ -464,9 +525,9 @@ end:
   /* pool_capacity_check: the pool holds the context, so the over-capacity prompt is over
    * the context and gets 400 at the front door.  (A prompt in prefill_admission_fit's
    * band still takes the scheduler path above.) */
-  :: d_step { r == 1 && FRESH(1) ->
-       printf("r1: @TokenizerManager__validate_one_request: prompt over the context -> 400 at the front door\n");
-       rejected1 = 1; answer(1, A_400); retire(1) }
+  :: d_step { PROMPT(r) == 1 && FORWARD_OK(r) ->
+       printf("r%d: @TokenizerManager__validate_one_request: prompt over the context -> 400 at the front door\n", r);
+       rejected1 = 1; answer(r, A_400); retire(r) }
 #endif
 #ifndef NO_CLIENT_ABORT
   /* the client disconnects or aborts at any step: both schedulers abort the request */
@@ -512,7 +573,7 @@ inline p_alloc_send(r, c) {
 #endif
   pfree[pa] = pfree[pa] - 1;
   ppg[2*r+c] = pa; pls[2*r+c] = L_LIVE;
-  pcont[pa] = KV(r, c);         /* the forward writes r's KV for this position */
+  pcont[pa] = KVP(r, c);        /* the forward writes r's KV for this position */
   CH(r,c) = C_INFLIGHT;         /* queued to the worker, which may start it at any time */
   pa = 0
 }
@@ -539,27 +600,27 @@ end:
          p_alloc_send(r, 1); pst[r] = P_SENT } }
 #if defined(SOURCE_HOLD) && !defined(MERGE_PSETTLE)
   /* held pages go back once their chunk drained (kvguard: on the scheduler thread) */
-  :: d_step { HOLDING(pls[2*r]) && !BUSY(r,0) ->
+  :: d_step { HOLDING(pls[2*r]) && !KBUSY(r,0) ->
        printf("r%d: prefill @PrefillBootstrapQueue_pop_bootstrapped gives back held page %d\n", r, ppg[2*r]);
        pls[2*r] = L_NONE; p_free(ppg[2*r]); retire(r) }
-  :: d_step { HOLDING(pls[2*r+1]) && !BUSY(r,1) ->
+  :: d_step { HOLDING(pls[2*r+1]) && !KBUSY(r,1) ->
        printf("r%d: prefill @PrefillBootstrapQueue_pop_bootstrapped gives back held page %d\n", r, ppg[2*r+1]);
        pls[2*r+1] = L_NONE; p_free(ppg[2*r+1]); retire(r) }
 #endif
 #if defined(SOURCE_HOLD) && !defined(QUARANTINE)
   /* a held page outlives the bound and is released blindly */
-  :: d_step { pls[2*r] == L_HELD && BUSY(r,0) ->
+  :: d_step { pls[2*r] == L_HELD && KBUSY(r,0) ->
        printf("r%d: prefill hold of page %d times out: @PagedTokenToKVPoolAllocator_free anyway\n", r, ppg[2*r]);
        pls[2*r] = L_NONE; p_free(ppg[2*r]); retire(r) }
-  :: d_step { pls[2*r+1] == L_HELD && BUSY(r,1) ->
+  :: d_step { pls[2*r+1] == L_HELD && KBUSY(r,1) ->
        printf("r%d: prefill hold of page %d times out: @PagedTokenToKVPoolAllocator_free anyway\n", r, ppg[2*r+1]);
        pls[2*r+1] = L_NONE; p_free(ppg[2*r+1]); retire(r) }
 #endif
 #if defined(SOURCE_HOLD) && defined(QUARANTINE) && defined(PEER_NEVER_RESUMES)
-  :: d_step { pls[2*r] == L_HELD && BUSY(r,0) ->
+  :: d_step { pls[2*r] == L_HELD && KBUSY(r,0) ->
        printf("r%d: prefill page %d held past the bound: quarantined\n", r, ppg[2*r]);
        pls[2*r] = L_QUAR }
-  :: d_step { pls[2*r+1] == L_HELD && BUSY(r,1) ->
+  :: d_step { pls[2*r+1] == L_HELD && KBUSY(r,1) ->
        printf("r%d: prefill page %d held past the bound: quarantined\n", r, ppg[2*r+1]);
        pls[2*r+1] = L_QUAR }
 #endif
@@ -647,7 +708,7 @@ end:
 #endif
 #ifdef CHECKSUM
        if
-       :: stub[r] || dcont[dpg[2*r]] != KV(r,0) || dcont[dpg[2*r+1]] != KV(r,1) ->
+       :: stub[r] || dcont[dpg[2*r]] != KVP(r,0) || dcont[dpg[2*r+1]] != KVP(r,1) ->
           bad = 1; printf("  transfer_checksum: the digest over the reserved pages differs from prefill's\n")
        :: else
        fi;
@@ -684,7 +745,7 @@ end:
 #endif
           printf("  r%d done: @SchedulerOutputStreamer_stream_output\n", r);
 #ifdef PROP_ISOLATION
-          assert(dcont[dpg[2*r]] == KV(r,0) && dcont[dpg[2*r+1]] == KV(r,1));   /* isolation */
+          assert(dcont[dpg[2*r]] == KVP(r,0) && dcont[dpg[2*r+1]] == KVP(r,1));   /* isolation */
 #endif
           answer(r, A_200);
           d_release(r);
@@ -717,6 +778,32 @@ end:
 
 /* ================================================================ transfer engine (Mooncake) */
 
+/* held pages go back in the step that drained them (the MERGE_* reductions); pa is the
+ * chunk's source page */
+inline settle(r, c) {
+#ifdef MERGE_PSETTLE
+  if
+  :: HOLDING(pls[2*r+c]) && !KBUSY(r,c) ->
+     printf("  prefill @PrefillBootstrapQueue_pop_bootstrapped gives back held page %d\n", pa);
+#ifdef REACH_DEAD_RELEASE
+     assert(CH(r,c) != C_DEAD);     /* a page held for a dead peer's batch comes back */
+#endif
+     pls[2*r+c] = L_NONE; p_free(pa)
+  :: else
+  fi;
+#endif
+#ifdef MERGE_DSETTLE
+  if
+  :: D_HOLDS(r) && D_DRAINED(r) && (CH(r,0) == C_DEAD || CH(r,1) == C_DEAD) ->
+     printf("  decode: peer_liveness confirms the room's prefill peer gone; held pages %d,%d -> @PagedTokenToKVPoolAllocator_free\n", dpg[2*r], dpg[2*r+1]);
+     d_release(r)
+  :: D_HOLDS(r) && D_DRAINED(r) -> printf(SETTLE_MSG, r, dpg[2*r], dpg[2*r+1]); d_release(r)
+  :: else
+  fi;
+#endif
+  skip
+}
+
 /* the batch of chunk (r,c) lands: it reads the source page now, writes the destination */
 inline land(r, c) {
   pa = ppg[2*r+c]; pb = dpg[2*r+c];
@@ -739,20 +826,7 @@ inline land(r, c) {
   if :: !D_OWNED(pb) -> dcont[pb] = 0 :: else fi;     /* dead value */
   CH(r,c) = C_DONE;
   if :: !P_READ(pa) -> pcont[pa] = 0 :: else fi;      /* dead value */
-#ifdef MERGE_PSETTLE
-  if
-  :: HOLDING(pls[2*r+c]) ->
-     printf("  prefill @PrefillBootstrapQueue_pop_bootstrapped gives back held page %d\n", pa);
-     pls[2*r+c] = L_NONE; p_free(pa)
-  :: else
-  fi;
-#endif
-#ifdef MERGE_DSETTLE
-  if
-  :: D_HOLDS(r) && D_DRAINED(r) -> printf(SETTLE_MSG, r, dpg[2*r], dpg[2*r+1]); d_release(r)
-  :: else
-  fi;
-#endif
+  settle(r, c);
   if
   :: rs[r] == R_LIVE && pst[r] == P_SENT && CH(r,0) == C_DONE && CH(r,1) == C_DONE ->
      rs[r] = R_SUCCESS;
@@ -761,6 +835,21 @@ inline land(r, c) {
   :: else
   fi;
   pa = 0; pb = 0
+}
+
+/* the peer of chunk (r,c)'s failed batch vanishes (process gone): the batch never
+ * lands.  peer_liveness (PEER_LIVENESS) sees the peer's session port refuse connections
+ * and lets the holds go; without it the batch looks unsettled for ever. */
+inline die(r, c) {
+  pa = ppg[2*r+c];
+  printf("r%d: the peer of chunk %d's failed batch is gone: the batch never lands\n", r, c);
+  CH(r,c) = C_DEAD;
+  if :: !P_READ(pa) -> pcont[pa] = 0 :: else fi;      /* dead value */
+#ifdef PEER_LIVENESS
+  printf("  peer_liveness: the peer's session port refuses connections (confirmed gone)\n");
+#endif
+  settle(r, c);
+  pa = 0
 }
 
 #ifdef PEER_NEVER_RESUMES
@@ -787,6 +876,10 @@ end:
        CH(r,1) = C_TIMEDOUT;
        if :: rs[r] == R_LIVE -> printf("  @CommonKVManager_update_status r%d Failed\n", r); fail_room(r) :: else fi;
        retire(r) }
+#ifdef PEER_CAN_DIE
+  :: d_step { CH(r,0) == C_TIMEDOUT -> die(r, 0); retire(r) }
+  :: d_step { CH(r,1) == C_TIMEDOUT -> die(r, 1); retire(r) }
+#endif
   od
 }
 

@@ -34,7 +34,9 @@ done
 # The machine is shared with timing-sensitive jobs: lowest priority, one pan at a time.
 NICE=(nice -n 19)
 
-ALL_GUARDS="ADMISSION_DRAIN REJECTION_NOTICE COVERAGE SOURCE_HOLD DEST_HOLD QUARANTINE GENERATION CHECKSUM CANARY POOL_CHECK FLUSH_BARRIER"
+ALL_GUARDS="ADMISSION_DRAIN REJECTION_NOTICE COVERAGE SOURCE_HOLD DEST_HOLD QUARANTINE GENERATION CHECKSUM CANARY POOL_CHECK FLUSH_BARRIER PEER_LIVENESS"
+# a dead peer: frozen batches never land, and may vanish; a 3-page pool, clients wait
+DEAD_PEER="-DNPAGE=3 -DPEER_NEVER_RESUMES -DNO_CLIENT_ABORT -DPEER_CAN_DIE"
 SAFETY_PROPS="PROP_ISOLATION PROP_FID200 PROP_FID4XX PROP_REUSE_SRC PROP_REUSE_DST PROP_LATEWRITE PROP_CONSERVATION PROP_UAF PROP_TERMINAL"
 
 declare -A PROP_NAME=(
@@ -164,9 +166,10 @@ run() {
 }
 
 # necessity: guard G off alone -> each property P it exists for is violated; or "clean":
-# the guard is defence in depth here (all safety properties still hold, complete search)
+# the guard is defence in depth here (all safety properties still hold, complete search);
+# EXTRA: defines of the environment the guard matters in (e.g. a dead peer)
 necessity() {
-  local fam="$1" g="$2" props="$3" expect="$4" why="${5:-}"
+  local fam="$1" g="$2" props="$3" expect="$4" why="${5:-}" extra="${6:-}"
   local id="n${fam: -2}-no-$(echo "$g" | tr 'A-Z_' 'a-z-')" p res
   if [[ "$expect" == upstream ]]; then
     TABLE+=("$(printf '%-8s %-18s %-52s %-24s %9s %6s' "$fam" "$g" "- ($why)" "upstream: switch unused" "-" "-")")
@@ -181,7 +184,7 @@ necessity() {
     return
   fi
   for p in $props; do
-    run "$id-$(echo "${p#PROP_}" | tr 'A-Z_' 'a-z-')" "$fam" "all -$g" "$p" bfs violation necessity
+    run "$id-$(echo "${p#PROP_}" | tr 'A-Z_' 'a-z-')" "$fam" "all -$g" "$p" bfs violation necessity "$extra"
     res="violated, cex ${LAST_ACTIONS} actions"; ((LAST_OK)) || res="UNEXPECTED"
     TABLE+=("$(printf '%-8s %-18s %-52s %-24s %9s %6s' "$fam" "$g" "${PROP_NAME[$p]}" "$res" "$LAST_STATES" "$LAST_SECS")")
   done
@@ -211,6 +214,11 @@ for fam in 0.5.19 0.5.23; do
   run "g$f-progress"     "$fam" all PROGRESS ltl clean guarded
   run "g$f-clients-wait"  "$fam" all "$SAFETY_PROPS" dfs clean guarded "-DNO_CLIENT_ABORT"
   run "g$f-frozen-peer"  "$fam" all "$SAFETY_PROPS" dfs clean guarded "-DPEER_NEVER_RESUMES"
+  run "g$f-dead-peer"    "$fam" all "$SAFETY_PROPS" dfs clean guarded "-DPEER_CAN_DIE"
+  run "g$f-dead-frozen-peer" "$fam" all "$SAFETY_PROPS" dfs clean guarded "-DPEER_CAN_DIE -DPEER_NEVER_RESUMES"
+  run "g$f-dead-peer-ends" "$fam" all PROP_TERMINAL dfs clean guarded "$DEAD_PEER"
+  run "g$f-router-retry" "$fam" all "$SAFETY_PROPS" dfs clean guarded "-DROUTER_RETRY"
+  run "g$f-progress-retry" "$fam" all PROGRESS ltl clean guarded "-DROUTER_RETRY"
 
   echo
   echo "################ SGLang $fam: each guard switched off alone"
@@ -238,11 +246,14 @@ for fam in 0.5.19 0.5.23; do
   necessity "$fam" GENERATION       "$SAFETY_PROPS" clean
   necessity "$fam" POOL_CHECK       "$SAFETY_PROPS" clean
   necessity "$fam" FLUSH_BARRIER    PROP_CONSERVATION violation
+  necessity "$fam" PEER_LIVENESS    PROP_TERMINAL violation "" "$DEAD_PEER"
 
   echo
   echo "################ SGLang $fam: non-vacuity (the guarded model does reach these)"
   run "r$f-notice-400"     "$fam" all REACH_NOTICE_400     bfs reachable probe
   run "r$f-late-into-held" "$fam" all REACH_LATE_INTO_HELD bfs reachable probe
+  run "r$f-retry-200"      "$fam" all REACH_RETRY_200      bfs reachable probe "-DROUTER_RETRY"
+  run "r$f-dead-release"   "$fam" all REACH_DEAD_RELEASE   bfs reachable probe "-DPEER_CAN_DIE"
   if [[ $fam == 0.5.19 ]]; then
     run r19-two-200        0.5.19 all REACH_TWO_200        bfs reachable probe
     run r19-source-held    0.5.19 all REACH_SOURCE_HELD    bfs reachable probe

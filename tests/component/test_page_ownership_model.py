@@ -1,13 +1,19 @@
 """A hypothesis stateful model of prefill page ownership, run against SGLang's real
 paged allocator, FastQueue and TransferKVChunk with kvguard's prefill_source_hold.
 
-Steps: allocate a request's pages; share a live request's pages with a new request
-(a prefix hit in the radix cache: a page is freed when its last user ends); queue a
-transfer chunk of a request's pages; the
-transfer worker takes the next chunk (finishing the previous one) or goes idle; a
+Steps, named like the actions of the SPIN model (models/pd_transfer.pml, where they
+are written ``@Name``; tests/unit/test_formal_model.py checks that the names agree):
+``PagedTokenToKVPoolAllocator_alloc`` allocates a request's pages;
+``RadixCache_match_prefix`` shares a live request's pages with a new request (a prefix
+hit in the radix cache: a page is freed when its last user ends; the SPIN model leaves
+prefix sharing out); ``MooncakeKVManager_add_transfer_request`` queues a transfer chunk
+of a request's pages; ``MooncakeKVManager_transfer_worker`` takes the next chunk
+(finishing the previous one) or goes idle; ``PagedTokenToKVPoolAllocator_free``: a
 request ends (completion, abort or timeout at any phase: the scheduler frees its
-pages, whatever the transfer is doing); the scheduler thread releases drained pages;
-the quarantine bound passes. After every step:
+pages, whatever the transfer is doing); ``PrefillBootstrapQueue_pop_bootstrapped``:
+the scheduler thread releases drained pages (kvguard does it in that call, every loop
+iteration); ``quarantine_bound_passes``: the hold's clock (no upstream call; the SPIN
+model's quarantine step has no hook name either). After every step:
 
 * no page belongs to two live requests, and a new allocation never returns a page a
   live request owns or a queued / in-flight transfer still reads;
@@ -126,7 +132,7 @@ def _machine(make_side, guarded: bool):
 
         # -- rules
         @rule(n=st.integers(1, 4))
-        def allocate(self, n):
+        def PagedTokenToKVPoolAllocator_alloc(self, n):
             tokens = self.alloc.alloc(n * PAGE)
             if tokens is None:
                 return
@@ -137,21 +143,21 @@ def _machine(make_side, guarded: bool):
 
         @precondition(lambda self: self.live)
         @rule(data=st.data())
-        def share_prefix(self, data):
+        def RadixCache_match_prefix(self, data):
             rid = data.draw(st.sampled_from(sorted(self.live)))
             tokens, pages = self.live[rid]
             self.start(tokens, pages, fresh=set())
 
         @precondition(lambda self: self.live)
         @rule(data=st.data())
-        def queue_transfer(self, data):
+        def MooncakeKVManager_add_transfer_request(self, data):
             rid = data.draw(st.sampled_from(sorted(self.live)))
             pages = self.live[rid][1]
             self.queue.put(transfer_chunk(rid, pages))
             self.queued.append((rid, pages))
 
         @rule()
-        def worker_step(self):
+        def MooncakeKVManager_transfer_worker(self):
             if self.queued:
                 item = self.queue.get()  # finishes the previous chunk, takes the next
                 rid, pages = self.queued.popleft()
@@ -163,7 +169,7 @@ def _machine(make_side, guarded: bool):
 
         @precondition(lambda self: self.live)
         @rule(data=st.data())
-        def request_ends(self, data):
+        def PagedTokenToKVPoolAllocator_free(self, data):
             rid = data.draw(st.sampled_from(sorted(self.live)))
             _tokens, pages = self.live.pop(rid)
             self.recorded.pop(rid)
@@ -177,7 +183,7 @@ def _machine(make_side, guarded: bool):
                 self.alloc.free((torch.tensor(last)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1))
 
         @rule()
-        def scheduler_step(self):
+        def PrefillBootstrapQueue_pop_bootstrapped(self):
             if guarded:
                 g.release_drained(self.alloc)
 
