@@ -37,7 +37,8 @@ from its version number):
   (``ReleaseInfo.needs_host_tensor_shim``); the shim is put on ``extra_pythonpath``
   by the caller.
 
-Only the standard library is used (urllib for HTTP), so this imports anywhere.
+HTTP goes through kvguard's one client (``sglang_kvguard.tools.http``, on httpx); the
+rest is the standard library.
 """
 from __future__ import annotations
 
@@ -52,12 +53,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from ..tools import http
+from ..tools.http import Reply
 
 __all__ = [
     "DeploymentError",
@@ -84,21 +86,7 @@ class DeploymentError(RuntimeError):
 # ----------------------------------------------------------------------------- HTTP
 
 
-@dataclass
-class HTTPResult:
-    status: int  # HTTP status; 0 when no response came back (connection error/timeout)
-    text: str
-    json: Any  # parsed body, or None if it was not JSON
-    elapsed: float  # seconds
-    error: Optional[str] = None  # transport error, when status == 0
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    def __repr__(self) -> str:  # keep assertion messages short
-        body = self.text if len(self.text) <= 600 else self.text[:600] + "...<truncated>"
-        return f"HTTPResult(status={self.status}, elapsed={self.elapsed:.3f}s, error={self.error!r}, body={body!r})"
+HTTPResult = Reply  # (status, latency_s / elapsed, text, body / json, error, timed_out, ok)
 
 
 def http_request(
@@ -108,28 +96,10 @@ def http_request(
     method: Optional[str] = None,
     timeout: float = 120.0,
 ) -> HTTPResult:
-    """One HTTP request (JSON body if ``payload``); never raises for HTTP errors."""
-    data = None
-    headers = {}
-    if payload is not None:
-        data = json.dumps(payload).encode()
-        headers["Content-Type"] = "application/json"
-    req = urllib.request.Request(url, data=data, headers=headers, method=method or ("POST" if data else "GET"))
-    t0 = time.monotonic()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read() or b""
-    except (urllib.error.URLError, OSError, ConnectionError) as e:
-        return HTTPResult(0, "", None, time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
-    elapsed = time.monotonic() - t0
-    text = raw.decode("utf-8", "replace")
-    try:
-        body = json.loads(text) if text else None
-    except ValueError:
-        body = None
-    return HTTPResult(status, text, body, elapsed)
+    """One HTTP request (JSON body if ``payload``) on kvguard's one HTTP client
+    (``sglang_kvguard.tools.http``); never raises for HTTP errors: status 0 and ``error``
+    when no answer came back."""
+    return http.request(method or ("POST" if payload is not None else "GET"), url, payload, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- ports

@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
+
+from . import http
+from .http import Reply
 
 
 @dataclass
@@ -54,9 +55,8 @@ class Result:
         return 1 if any(f.level == "FAIL" for f in self.findings) else 0
 
 
-def _get(url: str, timeout: float):
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - operator-given URL
-        return json.loads(r.read().decode("utf-8"))
+def _get(url: str, timeout: float) -> Reply:
+    return http.request("GET", url, timeout=timeout)
 
 
 def _first(d: dict, *keys):
@@ -72,16 +72,20 @@ def read_node(url: str, timeout: float = 10.0) -> Node:
     node = Node(url)
     info = None
     for path in ("/server_info", "/get_server_info"):
-        try:
-            info = _get(url + path, timeout)
-            break
-        except urllib.error.HTTPError as exc:
-            if exc.code != 404:
-                node.error = f"GET {path}: HTTP {exc.code}"
-                return node
-        except (OSError, ValueError) as exc:
-            node.error = f"GET {path}: {exc}"
+        r = _get(url + path, timeout)
+        if r.status == 404:
+            continue
+        if r.status == 0:
+            node.error = f"GET {path}: {r.error}"
             return node
+        if not r.ok:
+            node.error = f"GET {path}: HTTP {r.status}"
+            return node
+        if not isinstance(r.body, dict):
+            node.error = f"GET {path}: the answer is not a JSON object: {r.text[:200]!r}"
+            return node
+        info = r.body
+        break
     if info is None:
         node.error = "no /server_info or /get_server_info (is this an SGLang server, not a router?)"
         return node
@@ -94,13 +98,10 @@ def read_node(url: str, timeout: float = 10.0) -> Node:
     node.max_req_input_len = _first(info, "max_req_input_len") or _first(first_state, "max_req_input_len")
     node.page_size = _first(info, "page_size")
     ctx = None
-    try:
-        models = _get(url + "/v1/models", timeout)
-        data = models.get("data") or []
-        if data:
-            ctx = data[0].get("max_model_len")
-    except (OSError, ValueError):
-        pass
+    models = _get(url + "/v1/models", timeout).body
+    data = (models.get("data") if isinstance(models, dict) else None) or []
+    if data and isinstance(data[0], dict):
+        ctx = data[0].get("max_model_len")
     node.context_length = ctx if ctx is not None else _first(info, "context_length")
     return node
 

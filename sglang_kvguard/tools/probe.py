@@ -41,20 +41,18 @@ Standard library only; imports neither SGLang nor torch.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import random
 import re
-import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .http import HttpClient, Reply
 
 __all__ = [
     "CHECKS",
@@ -110,65 +108,30 @@ class ProbeConfig:
 # ----------------------------------------------------------------------------- HTTP
 
 
-@dataclass
-class Reply:
-    status: int  # 0: no HTTP answer (timeout, connection error)
-    latency_s: float
-    body: str = ""  # excerpt
-    json: Any = None
-    error: Optional[str] = None
-    timed_out: bool = False
-
-    def brief(self) -> Dict[str, Any]:
-        d: Dict[str, Any] = {"status": self.status, "latency_s": round(self.latency_s, 3)}
-        if self.error:
-            d["error"] = self.error
-        if self.status and not 200 <= self.status < 300:
-            d["body"] = self.body[:EXCERPT]
-        return d
+def brief(reply: Reply) -> Dict[str, Any]:
+    """What a report keeps of one answer."""
+    d: Dict[str, Any] = {"status": reply.status, "latency_s": round(reply.latency_s, 3)}
+    if reply.error:
+        d["error"] = reply.error
+    if reply.status and not 200 <= reply.status < 300:
+        d["body"] = reply.text[:EXCERPT]
+    return d
 
 
 class Client:
+    """The probe's view of one endpoint, on kvguard's one HTTP client."""
+
     def __init__(self, url: str, timeout: float, api_key: Optional[str] = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.api_key = api_key
+        self.http = HttpClient(timeout, api_key=api_key)
 
     def request(self, path: str, payload: Any = None, *, base: Optional[str] = None,
                 timeout: Optional[float] = None) -> Reply:
         url = (base or self.url).rstrip("/") + path
-        data = None if payload is None else json.dumps(payload).encode()
-        headers = {"Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
-        limit = self.timeout if timeout is None else timeout
-        t0 = time.monotonic()
-        try:
-            with urllib.request.urlopen(req, timeout=limit) as resp:  # noqa: S310 - operator-given URL
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            status = exc.code
-            try:
-                raw = exc.read() or b""
-            except (OSError, ValueError):
-                raw = b""
-        except (socket.timeout, TimeoutError) as exc:
-            return Reply(0, time.monotonic() - t0, error=f"no answer within {limit:g} s ({exc})", timed_out=True)
-        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "reason", exc)
-            timed_out = isinstance(reason, (socket.timeout, TimeoutError))
-            msg = f"no answer within {limit:g} s" if timed_out else f"{type(reason).__name__}: {reason}"
-            return Reply(0, time.monotonic() - t0, error=msg, timed_out=timed_out)
-        elapsed = time.monotonic() - t0
-        text = raw.decode("utf-8", "replace")
-        try:
-            body = json.loads(text) if text else None
-        except ValueError:
-            body = None
-        return Reply(status, elapsed, text[:2000], body)
+        return self.http.request("POST" if payload is not None else "GET", url, payload,
+                                 timeout=self.timeout if timeout is None else timeout)
 
 
 # ----------------------------------------------------------------------------- discovery
@@ -333,7 +296,7 @@ class Answer:
         return self.reply.status
 
     def brief(self) -> Dict[str, Any]:
-        d = {"tokens": self.tokens, **self.reply.brief()}
+        d = {"tokens": self.tokens, **brief(self.reply)}
         if self.status == 200:
             d["prompt_tokens"] = self.prompt_tokens
             d["output"] = _short(self.output)
@@ -408,7 +371,7 @@ def choose_api(ep: Endpoint, prompts: Prompts) -> None:
             ep.api = ep.disc.api = api
             ep.disc.api_note = f"{path} with token ids" + (f" ({'; '.join(tried)})" if tried else "")
             return
-        tried.append(f"{path} answered {a.status or a.reply.error}: {a.reply.body[:160]}".strip())
+        tried.append(f"{path} answered {a.status or a.reply.error}: {a.reply.text[:160]}".strip())
     raise ProbeError("no API accepted a 4-token token-id prompt: " + "; ".join(tried))
 
 

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from .http import HttpClient
+
 GAUGES = ("kvguard_kv_free_tokens", "kvguard_kv_evictable_tokens", "kvguard_metadata_free_slots",
           "kvguard_kv_held_pages", "kvguard_kv_quarantined_pages")
 LIMIT_RE = re.compile(r"maximum allowed length \((\d+) tokens\)")
@@ -142,32 +144,6 @@ class SoakReport:
 # ----------------------------------------------------------------------------- HTTP
 
 
-class _Http:
-    def __init__(self, timeout: float):
-        import httpx  # SGLang depends on it; kvguard too (pyproject)
-
-        self.httpx = httpx
-        self.timeout = timeout
-        self.client = httpx.Client(timeout=timeout, limits=httpx.Limits(max_connections=256))
-
-    def post(self, url: str, payload: Any, timeout: Optional[float] = None) -> Tuple[int, str]:
-        try:
-            r = self.client.post(url, json=payload, timeout=timeout or self.timeout)
-            return r.status_code, r.text
-        except self.httpx.HTTPError as exc:
-            return 0, f"{type(exc).__name__}: {exc}"
-
-    def get(self, url: str, timeout: Optional[float] = None) -> Tuple[int, str]:
-        try:
-            r = self.client.get(url, timeout=timeout or self.timeout)
-            return r.status_code, r.text
-        except self.httpx.HTTPError as exc:
-            return 0, f"{type(exc).__name__}: {exc}"
-
-    def close(self) -> None:
-        self.client.close()
-
-
 def _error_text(body: str) -> str:
     try:
         obj = json.loads(body)
@@ -199,7 +175,8 @@ class Soak:
         self.cfg = cfg
         self.log = log or (lambda m: None)
         self.progress = progress
-        self.http = _Http(cfg.bound_s)
+        # pooled connections: the load generator's requests go to a router that stays up
+        self.http = HttpClient(cfg.bound_s, keepalive=True, max_connections=256)
         self.url = cfg.url.rstrip("/")
         self.rng = random.Random(f"soak:{cfg.seed}")
         self.nodes: List[Tuple[str, str]] = []  # (url, role)
@@ -289,7 +266,8 @@ class Soak:
         o = Outcome(-1, "", len(ids), stream, "", 0.0, rid or "")
         o.t0 = time.monotonic()
         limit = cut_after if cut_after is not None else self.cfg.bound_s
-        httpx = self.http.httpx
+        import httpx
+
         try:
             if not stream:
                 r = self.http.client.post(self.url + "/generate", json=self._payload(ids, False, rid), timeout=limit)
@@ -377,7 +355,7 @@ class Soak:
         gate.clear()
         self._wait_idle(lock, in_flight)
         for url, _role in self.nodes:
-            st, _ = self.http.post(url + "/flush_cache", {}, timeout=30)
+            st = self.http.post(url + "/flush_cache", {}, timeout=30).status
             with self._lock:
                 self.flushes["sent"] += 1
                 self.flushes["ok"] += st == 200
@@ -400,7 +378,7 @@ class Soak:
         rng = random.Random(f"soak-flush:{self.cfg.seed}")
         while not self._stop.wait(rng.expovariate(1.0 / self.cfg.flush_every_s)):
             for url, _role in self.nodes:
-                st, _ = self.http.post(url + "/flush_cache", {}, timeout=30)
+                st = self.http.post(url + "/flush_cache", {}, timeout=30).status
                 with self._lock:
                     self.flushes["sent"] += 1
                     self.flushes["ok"] += st == 200
@@ -409,7 +387,8 @@ class Soak:
     def resources(self) -> Dict[str, Dict[str, float]]:
         out = {}
         for url, role in self.nodes:
-            st, text = self.http.get(url + "/metrics", timeout=30)
+            r = self.http.get(url + "/metrics", timeout=30)
+            st, text = r.status, r.text
             if st != 200:
                 continue
             vals = {}
