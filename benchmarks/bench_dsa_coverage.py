@@ -31,7 +31,7 @@ os.environ.setdefault("KVGUARD_AUTO_INSTALL", "0")
 
 import torch  # noqa: E402
 
-from sglang_kvguard import transfer_components as tc  # noqa: E402
+from sglang_kvguard.lifetime import transfer_components as tc  # noqa: E402
 
 PAGE = 64
 KV_DIM = 512 + 64  # kv_lora_rank + qk_rope_head_dim

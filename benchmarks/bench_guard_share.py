@@ -11,7 +11,7 @@ This benchmark measures the share directly: it starts guarded trios (prefill + d
   calls excluded (``phase="busy"``: inside a scheduler busy call; ``outside``: idle
   polling, the tokenizer, transfer threads);
 * ``kvguard_scheduler_busy_seconds_total``: the scheduler's batches, their results and
-  its non-empty PD transfer steps (see ``sglang_kvguard/guard_cost.py``).
+  its non-empty PD transfer steps (see ``sglang_kvguard/observe/guard_cost.py``).
 
 The accounting's own timer overhead per call (measured at start-up in each process,
 ``kvguard_accounting_bias_seconds_per_call``) is subtracted, times the calls, from each

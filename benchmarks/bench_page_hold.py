@@ -53,7 +53,7 @@ def main() -> None:
     import _sglang_components as sgl
     import sglang_kvguard
     from sglang_kvguard.guards import prefill_source_hold as g
-    from sglang_kvguard.page_hold import HOLDS
+    from sglang_kvguard.lifetime.page_hold import HOLDS
 
     ps = args.page_size
     size = (args.pages + args.pinned + 64) * ps

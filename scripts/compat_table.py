@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ["KVGUARD_AUTO_INSTALL"] = "0"
 
-from sglang_kvguard.config import Config  # noqa: E402
+from sglang_kvguard.engine.config import Config  # noqa: E402
 from sglang_kvguard.engine import manifest as manifest_mod  # noqa: E402
 from sglang_kvguard.engine.guard import REFUSED, TargetRefused  # noqa: E402
 from sglang_kvguard.engine.runtime import Context  # noqa: E402

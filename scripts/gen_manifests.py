@@ -28,7 +28,7 @@ os.environ["KVGUARD_AUTO_INSTALL"] = "0"
 
 from sglang_kvguard.engine import manifest as manifest_mod  # noqa: E402
 from sglang_kvguard.engine.fingerprint import FINGERPRINT_SCHEME, fingerprint_source  # noqa: E402
-from sglang_kvguard.engine.targets import all_targets  # noqa: E402
+from sglang_kvguard.activation.install import all_targets  # noqa: E402
 from sglang_kvguard.releases import SUPPORTED_RELEASES  # noqa: E402
 
 

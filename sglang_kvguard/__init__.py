@@ -12,26 +12,34 @@ from __future__ import annotations
 import os
 import sys
 
-__version__ = "0.1.0"
+from .engine import config as _config
+from .engine.version import __version__
 
 __all__ = ["install", "uninstall", "plan", "KVGuardRefused", "__version__"]
 
 
+def _load_guard_flags() -> None:
+    from . import guards  # noqa: F401 - each guard registers its own flags at import
+
+
+_config.FLAG_SOURCES.append(_load_guard_flags)
+
+
 def install(config=None):
     """Install every guard that applies to the running SGLang (idempotent)."""
-    from .engine.runtime import install as _install
+    from .activation.install import install as _install
 
     return _install(config)
 
 
 def uninstall() -> int:
-    from .engine.runtime import uninstall as _uninstall
+    from .activation.install import uninstall as _uninstall
 
     return _uninstall()
 
 
 def plan(config=None):
-    from .engine.runtime import plan as _plan
+    from .activation.install import plan as _plan
 
     return _plan(config)[0]
 

@@ -28,7 +28,7 @@ commands:
 def _doctor(argv: List[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvguard doctor", description="State of every kvguard guard for the installed SGLang.")
     ap.add_argument("--json", action="store_true", help="print JSON")
-    from .config import ConfigError, split_argv, Config
+    from .engine.config import ConfigError, split_argv, Config
 
     try:
         env, rest = split_argv(argv)
@@ -39,9 +39,9 @@ def _doctor(argv: List[str]) -> int:
     except ConfigError as exc:
         print(f"kvguard doctor: error: {exc}", file=sys.stderr)
         return 2
-    from .engine.runtime import plan
+    from .activation.install import plan
 
-    from .transfer_components import COVERAGE_RULES
+    from .lifetime.transfer_components import COVERAGE_RULES
 
     report, _, _ = plan(config)
     if args.json:
@@ -69,7 +69,7 @@ def _doctor(argv: List[str]) -> int:
 
 
 def _version(_argv: List[str]) -> int:
-    from . import __version__
+    from .engine.version import __version__
     from .engine.runtime import sglang_release
 
     print(f"sglang-kvguard {__version__}; sglang {sglang_release() or 'not installed'}")
@@ -115,10 +115,10 @@ def _install_in_spawned_child() -> None:
     main_mod = sys.modules.get("__mp_main__")
     if main_mod is None or not getattr(main_mod, "__file__", None):
         return
-    from .activation import preparing_spawned_child
+    from .engine.process import preparing_spawned_child
 
     if preparing_spawned_child():
-        from .engine.runtime import install
+        from .activation.install import install
 
         install()
 

@@ -24,7 +24,7 @@ def _peek(argv: List[str], option: str) -> Optional[str]:
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "sglang_kvguard.launch_server") -> int:
-    from .config import ConfigError, split_argv
+    from .engine.config import ConfigError, split_argv
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -37,8 +37,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "sglang_kvguard.launch_se
     if role:
         os.environ["KVGUARD_ROLE"] = role
 
-    from .activation import ADD_CLI_ARGS
-    from .engine.runtime import KVGuardRefused, install
+    from .engine.process import ADD_CLI_ARGS
+    from .engine.runtime import KVGuardRefused
+    from .activation.install import install
 
     try:
         report = install()
@@ -56,6 +57,6 @@ if __name__ == "__main__":
     sys.exit(main())
 elif __name__ == "__mp_main__":
     # A process SGLang spawned from this launcher: install before it runs its target.
-    from .engine.runtime import install as _install
+    from .activation.install import install as _install
 
     _install()

@@ -14,6 +14,6 @@ def load(*_args, **_kwargs):
 
     if os.environ.get("KVGUARD_AUTO_INSTALL", "1") in ("0", "false", "no"):
         return  # the operator chose explicit installation only
-    from .engine.runtime import install
+    from .activation.install import install
 
     install()

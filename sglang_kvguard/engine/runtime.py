@@ -1,10 +1,10 @@
-"""Deciding each guard's state for the running SGLang and installing the active ones.
+"""The engine's runtime: the context a guard decides in, the report of a plan, the
+installed state, and the post-import hook that wraps a target when its module loads.
 
-``plan()`` is side-effect free (it reads the installed SGLang's source files, it
-does not import SGLang): ``kvguard doctor`` prints it. ``install()`` runs the same
-plan, refuses loudly if any guard is refused (unless ``--kvguard-on-unknown=warn``),
-then registers post-import hooks that wrap each target as soon as its module is
-imported (at once if it already is). ``uninstall()`` reverts every wrapper.
+It knows no guard. ``activation/install.py`` plans every guard with it (side-effect
+free: it reads the installed SGLang's source files and does not import SGLang;
+``kvguard doctor`` prints the plan), refuses loudly if any guard is refused (unless
+``--kvguard-on-unknown=warn``), and installs through :func:`hook`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from typing import Dict, List, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
 
-from .. import __version__
-from ..config import Config
 from . import manifest as manifest_mod
-from . import suspension
-from .fingerprint import fingerprint_file, release_parse_cache
-from .guard import ACTIVE, OFF, REFUSED, Decision, Guard, TargetRefused
+from .config import Config
+from .fingerprint import fingerprint_file
+from .guard import REFUSED, TargetRefused
 from .manifest import Located, Manifest
 from .patching import Patcher
 
@@ -187,18 +185,6 @@ class Report:
         return "\n".join(lines)
 
 
-def all_guards() -> List[Guard]:
-    from ..guards import GUARDS
-
-    return [cls() for cls in GUARDS]
-
-
-def _activation_targets() -> Dict[str, object]:
-    from .. import activation
-
-    return activation.TARGETS
-
-
 def make_context(config: Config, release: Optional[str]) -> Context:
     if release is None:
         return Context(None, None, config, exact=False)
@@ -216,57 +202,12 @@ def make_context(config: Config, release: Optional[str]) -> Context:
     return ctx
 
 
-def plan(config: Optional[Config] = None, release: Optional[str] = None) -> Tuple[Report, Context, List[Guard]]:
-    config = config or Config.from_env()
-    release = release if release is not None else sglang_release()
-    ctx = make_context(config, release)
-    guards = all_guards()
-    reports: List[GuardReport] = []
-    disabled = set(config.disabled)
-    unknown = disabled - {g.name for g in guards}
-    if unknown:
-        ctx.warnings.append(f"--kvguard-disable names unknown guards: {', '.join(sorted(unknown))}")
-    for g in guards:
-        if release is None:
-            reports.append(GuardReport(g.name, g.protects, OFF, "SGLang is not installed"))
-            continue
-        if g.name in disabled:
-            reports.append(GuardReport(g.name, g.protects, OFF, "switched off by --kvguard-disable"))
-            continue
-        if ctx.manifest is None:
-            known = ", ".join(manifest_mod.known_releases())
-            reports.append(
-                GuardReport(
-                    g.name, g.protects, REFUSED,
-                    f"SGLang {release} is not a release kvguard has reviewed (known: {known})",
-                )
-            )
-            continue
-        try:
-            d: Decision = g.decide(ctx)
-        except TargetRefused as exc:
-            d = Decision(REFUSED, str(exc))
-        reports.append(GuardReport(g.name, g.protects, d.state, d.reason, d.patches))
-    activation: Dict[str, str] = {}
-    if ctx.manifest is not None:
-        for key in _activation_targets():
-            try:
-                ctx.require(key)
-                activation[key] = ACTIVE
-            except TargetRefused as exc:
-                activation[key] = f"{OFF}: {exc}"
-    release_parse_cache()  # the fingerprints found stay memoised; the syntax trees go
-    report = Report(__version__, release, ctx.manifest.path if ctx.manifest else None,
-                    config.on_unknown, reports, ctx.warnings, activation)
-    return report, ctx, guards
-
-
 # --------------------------------------------------------------------------- install
-_lock = threading.RLock()
-_state: Dict[str, object] = {"report": None, "patcher": None, "generation": 0, "ctx": None}
+LOCK = threading.RLock()
+STATE: Dict[str, object] = {"report": None, "patcher": None, "generation": 0, "ctx": None}
 
 
-def _ensure_log_handler(level: str) -> None:
+def ensure_log_handler(level: str) -> None:
     if not any(getattr(h, "_kvguard", False) for h in log.handlers):
         h = logging.StreamHandler(sys.stderr)
         h._kvguard = True  # type: ignore[attr-defined]
@@ -277,110 +218,21 @@ def _ensure_log_handler(level: str) -> None:
 
 
 def installed_report() -> Optional[Report]:
-    return _state["report"]  # type: ignore[return-value]
+    return STATE["report"]  # type: ignore[return-value]
 
 
-def install(config: Optional[Config] = None, *, banner: bool = True) -> Report:
-    """Install every active guard; idempotent. Raises :class:`KVGuardRefused`."""
-    with _lock:
-        if _state["report"] is not None:
-            return _state["report"]  # type: ignore[return-value]
-        config = config or Config.from_env()
-        _ensure_log_handler(config.get("log_level"))
-        report, ctx, guards = plan(config)
-        for w in report.warnings:
-            log.warning(w)
-        if report.refused and config.on_unknown == "refuse":
-            log.error(report.banner())
-            raise KVGuardRefused(report.refusal_message())
-        if report.refused:
-            log.warning(report.refusal_message())
-        patcher = Patcher()
-        suspension.reset()
-        _state.update(report=report, patcher=patcher, ctx=ctx, config=config)
-        _state["generation"] = int(_state["generation"]) + 1  # type: ignore[arg-type]
-        generation = _state["generation"]
-        from .. import guard_cost
-
-        accounting = guard_cost.enabled(config)
-        by_name = {g.name: g for g in guards}
-        for gr in report.guards:
-            if gr.state != ACTIVE:
-                continue
-            guard = by_name[gr.name]
-            factories = guard.wrappers(ctx)
-            for key in gr.patches:
-                if key in factories:
-                    factory = guard_cost.accounted(gr.name, factories[key], key) if accounting else factories[key]
-                    if getattr(guard, "suspendable", False):
-                        factory = suspension.suspendable(gr.name, factory)
-                    _hook(patcher, generation, ctx, key, gr.name, factory)
-            guard.on_installed(ctx)
-        if accounting:
-            _hook_busy_time(patcher, generation, ctx)
-        from .. import activation, metrics
-
-        for key, factory in activation.TARGETS.items():
-            if report.activation.get(key) == ACTIVE:
-                _hook(patcher, generation, ctx, key, "activation", factory)
-        metrics.record_guard_states(report)
-        if banner and not activation.defer_banner():
-            log.info(report.banner(activation.where()))
-        return report
-
-
-def _hook_busy_time(patcher: Patcher, generation, ctx: Context) -> None:
-    """Accounting on: count the scheduler's busy time beside the guards' (guard_cost)."""
-    from .. import guard_cost
-
-    counted, missing = [], []
-    for key, factory in guard_cost.BUSY_TARGETS.items():
-        try:
-            _hook(patcher, generation, ctx, key, guard_cost.BUSY, factory)
-            counted.append(key.rsplit(".", 1)[-1])
-        except TargetRefused as exc:
-            missing.append(str(exc))
-    bias = guard_cost.calibrate()
-    log.info("kvguard accounting on: guard wrappers timed (the timing itself adds %.0f ns per call, "
-             "exported for subtraction); scheduler busy time from %s", bias, ", ".join(counted))
-    for why in missing:
-        log.warning("kvguard accounting: busy time not counted there (the guard share reads high): %s", why)
-
-
-def _hook(patcher: Patcher, generation, ctx: Context, key: str, guard: str, factory) -> None:
+def hook(patcher: Patcher, generation, ctx: Context, key: str, guard: str, factory) -> None:
     import wrapt
 
     loc = ctx.require(key)
 
     def apply(_module) -> None:
-        if _state["generation"] != generation or _state["patcher"] is not patcher:
+        if STATE["generation"] != generation or STATE["patcher"] is not patcher:
             return  # uninstalled (or reinstalled) since this hook was registered
         patcher.wrap(key, guard, loc.module, loc.qualname, factory)
 
     wrapt.register_post_import_hook(apply, loc.module)
 
 
-def uninstall() -> int:
-    """Revert every wrapper; idempotent. Returns how many were reverted."""
-    with _lock:
-        patcher = _state.get("patcher")
-        n = patcher.revert_all() if patcher is not None else 0  # type: ignore[union-attr]
-        suspension.reset()
-        _state.update(report=None, patcher=None, ctx=None)
-        _state["generation"] = int(_state["generation"]) + 1  # type: ignore[arg-type]
-        return n
-
-
-def reinstall_if_config_changed() -> Optional[Report]:
-    """Re-plan with the KVGUARD_* environment if it differs from the installed config."""
-    with _lock:
-        installed = _state.get("config")
-        new = Config.from_env()
-        if installed is not None and installed.values == new.values:  # type: ignore[union-attr]
-            return installed_report()
-        uninstall()
-        return install(new)
-
-
 def current_patcher() -> Optional[Patcher]:
-    return _state.get("patcher")  # type: ignore[return-value]
+    return STATE.get("patcher")  # type: ignore[return-value]

@@ -38,10 +38,7 @@ def target(key: str, *locations: str, why: str = "") -> Target:
     return t
 
 
-def all_targets() -> Dict[str, Target]:
-    # Importing the guard package declares every guard's targets.
-    from sglang_kvguard import guards  # noqa: F401
-    from sglang_kvguard import activation  # noqa: F401
-    from sglang_kvguard import guard_cost  # noqa: F401
-
+def registered() -> Dict[str, Target]:
+    """Every target declared so far (``activation.install.all_targets`` imports every
+    declaring module first)."""
     return dict(sorted(_REGISTRY.items()))

@@ -84,7 +84,7 @@ def refuse(decode_req, receiver, reason: str, guard: str) -> bool:
     """Fail ``decode_req`` closed through upstream's corruption path (500), count it and
     log an ERROR once per prefill bootstrap address; the value to return from
     ``_commit_transfer_to_req``."""
-    from .. import metrics
+    from ..engine import metrics
     from .transfer_coverage import _fail
 
     text = message(reason, guard)

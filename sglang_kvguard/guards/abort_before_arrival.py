@@ -146,7 +146,7 @@ def _after_dispatch(tm, rids) -> None:
         t = take(rid)
         if t is None:
             continue
-        from .. import metrics
+        from ..engine import metrics
 
         metrics.count("early_aborts_applied")
         log.warning("kvguard abort_before_arrival: request rid=%s reached the scheduler %.0f ms after its abort; "

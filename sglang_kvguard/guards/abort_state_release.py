@@ -42,7 +42,7 @@ def _handle_abort_req(original: Callable) -> Callable:
         out = original(self, recv_obj, *args, **kwargs)
         if state is not None and getattr(state, "finished", False) and table.get(rid) is state:
             del table[rid]
-            from .. import metrics
+            from ..engine import metrics
 
             metrics.count("abort_states_released")
         return out

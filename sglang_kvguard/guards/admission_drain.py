@@ -87,7 +87,7 @@ def _log_drain(door: str, req) -> None:
     reason = _req.abort_reason(req)
     msg = getattr(reason, "message", reason)
     log.warning("drained rejected request rid=%s at the %s door: %s", getattr(req, "rid", "?"), door, msg)
-    from .. import metrics
+    from ..engine import metrics
 
     metrics.count("drained_rejections", door=door)
 

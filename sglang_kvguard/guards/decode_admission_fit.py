@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, Optional
 
-from ..activation import SCHEDULER_INIT, pd_role
+from ..engine.process import SCHEDULER_INIT, pd_role
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 
@@ -47,7 +47,7 @@ def longest_reservable(pool_tokens: int, reserved_decode_tokens: int) -> int:
 
 def fit_scheduler(scheduler) -> Optional[int]:
     """Lower a decode scheduler's ``max_req_input_len``; returns the new value if lowered."""
-    from .. import metrics
+    from ..engine import metrics
 
     if pd_role(scheduler) != "decode":
         return None

@@ -48,8 +48,8 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
 
-from .. import peer_liveness
-from ..config import Flag, register_flag
+from ..lifetime import peer_liveness
+from ..engine.config import Flag, register_flag
 from ..engine.guard import ACTIVE, OFF, REFUSED, Decision, Guard
 from ..engine.targets import target
 from ._req import committed_len
@@ -155,7 +155,7 @@ def _drop_gone_ranks(queue) -> None:
     entries = getattr(queue, "_deferred_releases", None)
     if not entries:
         return
-    from .. import metrics
+    from ..engine import metrics
 
     for i, entry in enumerate(list(entries)):
         decode_req = entry[0]
@@ -204,7 +204,7 @@ def sweep(queue, quarantine_after: float, now: Optional[float] = None) -> None:
     since = queue.__dict__.get(SINCE)
     if since is None:
         return
-    from .. import metrics
+    from ..engine import metrics
 
     now = time.monotonic() if now is None else now
     held_ids = {id(entry[0]) for entry in getattr(queue, "_deferred_releases", ())}

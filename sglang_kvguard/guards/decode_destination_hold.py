@@ -38,12 +38,12 @@ import time
 import urllib.request
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .. import peer_liveness, transfer_components, transfer_drain
-from ..activation import SCHEDULER_INIT
+from ..lifetime import peer_liveness, transfer_components, transfer_drain
+from ..lifetime.push_sockets import PushSockets
+from ..engine.process import SCHEDULER_INIT
 from ..engine.guard import ACTIVE, OFF, Decision, Guard
 from ..engine.targets import target
-from ..page_hold import HOLDS, ROWS, PageHold, bind_at_scheduler_init
-from . import rejection_notice
+from ..lifetime.page_hold import HOLDS, ROWS, PageHold, bind_at_scheduler_init
 from .prefill_source_hold import page_list, release_drained
 
 log = logging.getLogger("sglang_kvguard")
@@ -188,7 +188,7 @@ class _Drains:
             self.pull.setsockopt(zmq.IPV6, 1)
         self.reply_ip = local_ip
         self.reply_port = self.pull.bind_to_random_port(f"tcp://{host}")
-        self.sockets = rejection_notice.PushSockets(self.ctx)
+        self.sockets = PushSockets(self.ctx)
         self.capable: Dict[str, Tuple[float, bool]] = {}
         self.sender = threading.Thread(target=self._send_loop, name="kvguard-decode-drain-requests", daemon=True)
         self.receiver = threading.Thread(target=self._recv_loop, name="kvguard-decode-drain-answers", daemon=True)
@@ -213,7 +213,7 @@ class _Drains:
     def _send_loop(self) -> None:
         import zmq
 
-        from .. import metrics
+        from ..engine import metrics
 
         while True:
             rec: _Room = self.q.get()
@@ -273,7 +273,7 @@ def answered(room: int, rank: str) -> None:
         peer_liveness.watch().cancel(entry)
     waited = time.monotonic() - rec.since
     if rec.quarantined:
-        from .. import metrics
+        from ..engine import metrics
 
         metrics.count("pages_released_from_quarantine", n=len(rec.pages), role=ROLE)
         log.warning("kvguard decode_destination_hold: room %s drained after %.0f s; its %d quarantined page(s) "
@@ -309,7 +309,7 @@ def _rank_gone(room: int, rank: str) -> None:
         rec = _rooms.get(room)
         if rec is None or rank in rec.acked:
             return
-    from .. import metrics
+    from ..engine import metrics
 
     metrics.count("drain_ranks_gone")
     log.warning("kvguard decode_destination_hold: prefill rank %s of room %s is gone; it counts as drained", rank,
@@ -386,7 +386,7 @@ def _drain_strays(queue, now: float) -> None:
 
 
 def sweep(hold: PageHold, now: float) -> None:
-    from .. import metrics
+    from ..engine import metrics
 
     with _lock:
         late = [r for r in _rooms.values() if r.since is not None and not r.quarantined

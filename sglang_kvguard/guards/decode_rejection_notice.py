@@ -54,8 +54,9 @@ import time
 import urllib.request
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .. import transfer_components
-from ..activation import pd_role
+from ..lifetime import transfer_components
+from ..lifetime.push_sockets import PushSockets
+from ..engine.process import pd_role
 from ..engine import suspension
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
@@ -122,7 +123,7 @@ class _Notifier:
     def __init__(self):
         self.q: "queue_mod.Queue" = queue_mod.Queue()
         self.routes: Dict[str, Tuple[float, List[Tuple[str, int]], Optional[int], bool]] = {}
-        self.sockets = rejection_notice.PushSockets()
+        self.sockets = PushSockets()
         self.thread = threading.Thread(target=self._run, name="kvguard-decode-rejection-notice", daemon=True)
         self.thread.start()
 
@@ -180,7 +181,7 @@ class _Notifier:
         return sent
 
     def _run(self) -> None:
-        from .. import metrics
+        from ..engine import metrics
 
         while True:
             addr, room, frames, message, what = self.q.get()
@@ -415,7 +416,7 @@ def apply_notices(bootstrap_queue) -> int:
         return 0
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from .. import metrics
+    from ..engine import metrics
 
     kv = getattr(bootstrap_queue, "kv_manager", None)
     now = time.monotonic()

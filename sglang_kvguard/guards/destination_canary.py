@@ -34,7 +34,7 @@ import random
 import threading
 from typing import Callable, Dict, List, Optional
 
-from .. import transfer_components
+from ..lifetime import transfer_components
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from ._peer_tp import head_sliced, refuse
@@ -125,7 +125,7 @@ def _commit(original: Callable) -> Callable:
         by_component = unwritten_pages(receiver)
         if not by_component:
             return original(self, decode_req, *args, **kwargs)
-        from .. import metrics
+        from ..engine import metrics
 
         bad = sorted({p for pages in by_component.values() for p in pages})
         metrics.count("canary_hits", n=len(bad))

@@ -26,7 +26,7 @@ MESSAGE = "The prompt is empty (0 tokens): send at least one token."
 def _validate(original: Callable) -> Callable:
     def _validate_one_request(self, obj, input_ids, *args, **kwargs):
         if input_ids is not None and len(input_ids) == 0:
-            from .. import metrics
+            from ..engine import metrics
 
             metrics.count("empty_prompts_refused")
             raise ValueError(MESSAGE)

@@ -28,7 +28,7 @@ from typing import Callable, Dict
 
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
-from ..page_hold import HOLDS, ROWS
+from ..lifetime.page_hold import HOLDS, ROWS
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -83,7 +83,7 @@ def _flush_cache(original: Callable) -> Callable:
     def flush_cache(self, *args, **kwargs):
         reason = busy_reason(self)
         if reason:
-            from .. import metrics
+            from ..engine import metrics
 
             metrics.count("flush_deferred")
             log.warning("kvguard flush_barrier: cache not flushed: pages a transfer may still read or write are "

@@ -35,9 +35,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..activation import SCHEDULER_INIT, pd_role
-from ..transfer_components import is_mooncake_manager
-from ..config import Flag, register_flag
+from ..engine.process import SCHEDULER_INIT, pd_role
+from ..lifetime.transfer_components import is_mooncake_manager
+from ..engine.config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 
 log = logging.getLogger("sglang_kvguard")
@@ -133,7 +133,7 @@ def hisparse_gaps(role: str, comps, release: Optional[str]):
     * decode: the host pool's KV (``kv_unplaced``) is not kept by decode_deferred_release
       unless the release's deferral keeps the host pages (HISPARSE_HOST_PAGES_DEFERRED).
     """
-    from ..transfer_components import CANARY, CHECKSUM, DEFERRED
+    from ..lifetime.transfer_components import CANARY, CHECKSUM, DEFERRED
 
     mapped = ("HiSparse maps the logical page ids a transfer carries onto device slots, so the pool's rows at "
               "those ids are not the ones written or sent")
@@ -261,7 +261,8 @@ def check_pools(role: str, allocator, req_to_token_pool, policy: str, active: Op
     """Compare the node's pools, and every component its transfers move (``kv_args``: what
     upstream registered with the transfer backend), with the active page guards;
     returns ok/refuse/warn."""
-    from .. import metrics, transfer_components
+    from ..engine import metrics
+    from ..lifetime import transfer_components
 
     if role not in AFFECTED:
         return "ok"

@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Callable, Dict
 
-from ..config import Flag, register_flag
+from ..engine.config import Flag, register_flag
 from ..engine.guard import ACTIVE, OFF, Decision, Guard
 from ..engine.targets import target
 
@@ -55,7 +55,7 @@ def _bounded(limit: int) -> Callable[[Callable], Callable]:
         def _transfer_data(self, mooncake_session_id, transfer_blocks, *args, **kwargs):
             if not transfer_blocks or len(transfer_blocks) <= limit:
                 return original(self, mooncake_session_id, transfer_blocks, *args, **kwargs)
-            from .. import metrics
+            from ..engine import metrics
 
             blocks = list(transfer_blocks)
             metrics.count("split_batches")

@@ -50,7 +50,7 @@ import logging
 from http import HTTPStatus
 from typing import Callable, Dict, List, Optional
 
-from ..activation import SCHEDULER_INIT, pd_role
+from ..engine.process import SCHEDULER_INIT, pd_role
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from ._req import committed_len, req_row
@@ -160,7 +160,7 @@ class GenerationTable:
         for row in fresh:
             self.row_epoch[row] = self.epoch  # nothing recorded: nothing to mismatch
         self.stats["first_seen"] += len(fresh)
-        from .. import metrics
+        from ..engine import metrics
 
         metrics.count("generation_first_seen", n=len(fresh))
 
@@ -393,7 +393,7 @@ def release_failed(sched, req, table: GenerationTable, bad_pages) -> int:
 def fail_mismatched(sched, batch, indices: List[int], table: GenerationTable) -> None:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    from .. import metrics
+    from ..engine import metrics
 
     failed = [batch.reqs[i] for i in indices]
     details = {id(r): table.detail(req_row(r)) for r in failed}
@@ -441,7 +441,7 @@ def checked_insert(table: GenerationTable, reqs, insert: Callable[[], object]):
                           "cached; it is kept out of the radix cache and fails at the next batch check",
                           getattr(live[i], "rid", "?"))
         except Exception as exc:  # noqa: BLE001 - a check that cannot run must not kill the scheduler
-            from .. import metrics
+            from ..engine import metrics
 
             metrics.count("generation_check_errors")
             log.error("kvguard page_generation: the check before the radix insert failed: %s", exc)
@@ -474,7 +474,7 @@ def _update_running_batch(original: Callable) -> Callable:
             try:
                 bad = table.mismatched([batch.reqs[i] for i in live])
             except Exception as exc:  # noqa: BLE001 - a check that cannot run must not kill the scheduler
-                from .. import metrics
+                from ..engine import metrics
 
                 metrics.count("generation_check_errors")
                 log.error("kvguard page_generation: the batch check failed (this step is not verified): %s", exc,

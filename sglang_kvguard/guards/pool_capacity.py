@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict
 
-from ..activation import SCHEDULER_INIT, pd_role
-from ..config import Flag, register_flag
+from ..engine.process import SCHEDULER_INIT, pd_role
+from ..engine.config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 
@@ -67,7 +67,7 @@ def _role(scheduler) -> str:
 
 def check_scheduler(scheduler, policy: str) -> str:
     """Compare the pool with the context; returns the outcome (ok/note/refuse/clamp/warn)."""
-    from .. import metrics
+    from ..engine import metrics
 
     pool = int(scheduler.max_total_num_tokens)
     ctx = int(scheduler.model_config.context_len)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, Optional
 
-from ..activation import SCHEDULER_INIT, pd_role
+from ..engine.process import SCHEDULER_INIT, pd_role
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 
@@ -67,7 +67,7 @@ def longest_admissible(pool_tokens: int, overhead: int) -> int:
 
 def fit_scheduler(scheduler, page_overhead: bool) -> Optional[int]:
     """Lower a prefill scheduler's ``max_req_input_len``; returns the new value if lowered."""
-    from .. import metrics
+    from ..engine import metrics
 
     if pd_role(scheduler) != "prefill":
         return None

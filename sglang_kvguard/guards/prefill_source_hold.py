@@ -32,12 +32,12 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from ..activation import SCHEDULER_INIT
-from ..config import Flag, non_negative_seconds, register_flag
+from ..engine.process import SCHEDULER_INIT
+from ..engine.config import Flag, non_negative_seconds, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
-from .. import peer_liveness, transfer_components, transfer_drain
-from ..page_hold import HOLDS, ROWS, PageHold, bind_at_scheduler_init, bind_hold, hold_for_allocator
+from ..lifetime import peer_liveness, transfer_components, transfer_drain
+from ..lifetime.page_hold import HOLDS, ROWS, PageHold, bind_at_scheduler_init, bind_hold, hold_for_allocator
 from . import _faults
 from .mooncake_batch_bound import TRANSFER_DATA  # one declaration of the batch sink
 
@@ -322,7 +322,7 @@ class _PinningQueue:
         # drained, so its destination pages stay out of circulation too. They are
         # released only once every peer the failed batches went to is gone
         # (peer_liveness: nothing can then still read them for it).
-        from .. import metrics
+        from ..engine import metrics
 
         metrics.count("unsettled_sends")
         peers = sorted(cur.failed_peers)
@@ -339,7 +339,7 @@ class _PinningQueue:
 
     def _peer_gone(self, cur: _Chunk, peers: List[str]) -> None:
         """Every peer the chunk's failed batches went to is gone: nothing reads its pages any more."""
-        from .. import metrics
+        from ..engine import metrics
 
         self._hold.unstick(cur.pages)
         self._hold.unpin(cur.pages)
@@ -477,7 +477,7 @@ def _worker_died(manager, exc: BaseException) -> None:
     17, a cause since fixed): a dead worker, then "Prefill out of memory" 50 s later.
     Fail closed: stop the server the way SGLang stops it when its scheduler fails, so the
     router and the supervisor see a dead node instead of a hanging one."""
-    from .. import metrics
+    from ..engine import metrics
 
     metrics.count("transfer_worker_died")
     log.critical(
@@ -717,7 +717,7 @@ def _alloc_waits_for_held_pages(original: Callable, extend: bool = False) -> Cal
             if release_drained(self) and covers(self, args, kwargs):
                 out = original(self, *args, **kwargs)
                 if out is not None:
-                    from .. import metrics
+                    from ..engine import metrics
 
                     metrics.count("alloc_waited_for_held_pages")
                     if waited:
@@ -810,7 +810,7 @@ def _pop_bootstrapped(original: Callable) -> Callable:
                     if now - _last_sweep["t"] >= _SWEEP_EVERY:
                         _last_sweep["t"] = now
                         if hold.sweep(now):
-                            from .. import metrics
+                            from ..engine import metrics
 
                             metrics.count("pages_quarantined", role=ROLE)
         except Exception as exc:  # noqa: BLE001 - never break the scheduler loop

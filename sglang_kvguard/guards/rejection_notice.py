@@ -44,7 +44,8 @@ import time
 import urllib.request
 from typing import Callable, Dict, NamedTuple, Tuple
 
-from .. import transfer_components
+from ..lifetime import transfer_components
+from ..lifetime.push_sockets import PushSockets
 from ..engine import suspension
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
@@ -109,42 +110,6 @@ def _reason(req) -> Tuple[int, str]:
     return int(status), str(getattr(r, "message", None) or "request rejected by prefill")
 
 
-def push_socket(ctx, endpoint: str, port: int):
-    """A kvguard-owned ZMQ PUSH socket to ``endpoint:port`` (IPv4 or IPv6), LINGER 0.
-
-    Never shared with upstream's sockets; each caller keeps its own per thread."""
-    import zmq
-
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    host = endpoint
-    if ":" in endpoint:
-        sock.setsockopt(zmq.IPV6, 1)
-        host = f"[{endpoint}]"
-    sock.connect(f"tcp://{host}:{int(port)}")
-    return sock
-
-
-class PushSockets:
-    """kvguard-owned PUSH sockets by (endpoint, port), made on first use, all from one
-    ZMQ context (``ctx``, or one made on first use). For the thread that owns it."""
-
-    def __init__(self, ctx=None) -> None:
-        self.ctx = ctx
-        self._sockets: dict = {}
-
-    def get(self, endpoint: str, port: int):
-        key = (endpoint, int(port))
-        sock = self._sockets.get(key)
-        if sock is None:
-            if self.ctx is None:
-                import zmq
-
-                self.ctx = zmq.Context()
-            sock = self._sockets[key] = push_socket(self.ctx, endpoint, port)
-        return sock
-
-
 _push = PushSockets()
 
 
@@ -186,7 +151,7 @@ def _send_notices(kv, room: int, status: int, message: str, event: str = "reject
         # upstream never clears these for a room without a sender
         for attr in ("transfer_infos", "request_status", "req_to_decode_prefix_len"):
             getattr(kv, attr, {}).pop(room, None)
-        from .. import metrics
+        from ..engine import metrics
 
         metrics.count(event, n=sent)
         log.info("told %d decode endpoint(s) that room %s %s: %s", sent, room, what, message)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, List, Optional
 
-from .. import transfer_components
+from ..lifetime import transfer_components
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from ._peer_tp import head_sliced, refuse
@@ -173,7 +173,7 @@ def _commit(unverified_policy: str) -> Callable[[Callable], Callable]:
             room = landed_room(self, decode_req) if receiver is not None else None
             if room is None:
                 return original(self, decode_req, *args, **kwargs)
-            from .. import metrics
+            from ..engine import metrics
 
             problem = check(receiver, self.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index], room)
             if problem is None:

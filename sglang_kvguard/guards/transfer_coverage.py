@@ -37,7 +37,7 @@ import time
 from http import HTTPStatus
 from typing import Callable, Dict, Optional, Tuple
 
-from ..config import Flag, register_flag
+from ..engine.config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from . import _faults
@@ -204,7 +204,7 @@ def _commit(unverified_policy: str) -> Callable[[Callable], Callable]:
             room = landed_room(self, decode_req)
             if room is None:
                 return original(self, decode_req, *args, **kwargs)
-            from .. import metrics
+            from ..engine import metrics
 
             problem = check(decode_req, self.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index], room)
             if problem is None:

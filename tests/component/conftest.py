@@ -84,7 +84,7 @@ def _fresh_metadata_row_pins():
     yield
     try:
         from sglang_kvguard.engine import suspension
-        from sglang_kvguard.page_hold import ROWS
+        from sglang_kvguard.lifetime.page_hold import ROWS
     except ImportError:
         return
     ROWS.reset()
@@ -204,7 +204,7 @@ def install_kvguard(monkeypatch):
         yield install
     finally:
         sglang_kvguard.uninstall()
-        from sglang_kvguard.page_hold import HOLDS
+        from sglang_kvguard.lifetime.page_hold import HOLDS
 
         HOLDS.clear()
 

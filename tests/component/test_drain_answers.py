@@ -51,7 +51,7 @@ def _manager():
 def answers():
     import zmq
 
-    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.lifetime import transfer_drain
 
     transfer_drain.reset()
     ctx = zmq.Context()
@@ -73,7 +73,7 @@ def _queue():
     from sglang.srt.disaggregation.common.utils import FastQueue
 
     from sglang_kvguard.guards.prefill_source_hold import _PinningQueue
-    from sglang_kvguard.page_hold import PageHold
+    from sglang_kvguard.lifetime.page_hold import PageHold
 
     q = _PinningQueue(FastQueue(), PageHold("prefill"))
     q.consumer_wrapped = True
@@ -83,7 +83,7 @@ def _queue():
 def test_answer_waits_for_queued_and_in_flight_chunks(sgl, answers):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.lifetime import transfer_drain
 
     port, recv = answers
     mgr = _manager()
@@ -112,7 +112,7 @@ def test_answer_waits_for_queued_and_in_flight_chunks(sgl, answers):
 def test_no_chunk_is_queued_after_the_request(sgl, answers):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.lifetime import transfer_drain
 
     port, recv = answers
     mgr = _manager()
@@ -130,7 +130,7 @@ def test_no_chunk_is_queued_after_the_request(sgl, answers):
 def test_answer_waits_for_transfer_futures_the_worker_left_running(sgl, answers):
     import concurrent.futures
 
-    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.lifetime import transfer_drain
     from sglang_kvguard.guards.prefill_source_hold import _TrackingExecutor
 
     port, recv = answers
@@ -156,7 +156,7 @@ def test_a_failed_send_is_never_confirmed_and_its_pages_stay_held(sgl, answers, 
     confirmed drained and the chunk's source pages stay pinned (then quarantined)."""
     import concurrent.futures
 
-    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.lifetime import transfer_drain
     from sglang_kvguard.guards.prefill_source_hold import _TrackingExecutor, _transfer_data
 
     port, recv = answers
@@ -195,7 +195,7 @@ def test_a_failed_send_is_never_confirmed_and_its_pages_stay_held(sgl, answers, 
 @pytest.fixture
 def peer_watch(monkeypatch):
     """prefill_source_hold's peer watch, driven by hand (no background thread)."""
-    from sglang_kvguard import peer_liveness
+    from sglang_kvguard.lifetime import peer_liveness
 
     w = peer_liveness.PeerWatch(interval=3600.0, autostart=False)
     monkeypatch.setattr(peer_liveness, "WATCH", w)
@@ -219,7 +219,7 @@ def test_a_failed_send_is_released_only_once_its_peer_is_gone(sgl, answers, peer
     import concurrent.futures
     import socket
 
-    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.lifetime import transfer_drain
     from sglang_kvguard.guards.prefill_source_hold import _TrackingExecutor, _transfer_data
 
     port, recv = answers
@@ -270,7 +270,7 @@ def test_upstream_drain_ack_is_withheld_for_an_unsettled_room(sgl, answers):
 
     from sglang.srt.disaggregation.common import conn
 
-    from sglang_kvguard import transfer_drain
+    from sglang_kvguard.lifetime import transfer_drain
     from sglang_kvguard.guards.prefill_source_hold import _send_abort_ack
 
     upstream = getattr(conn.CommonKVManager, "_send_abort_ack", None)

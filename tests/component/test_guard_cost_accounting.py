@@ -12,7 +12,7 @@ pytestmark = pytest.mark.component
 @pytest.fixture
 def kvguard(install_kvguard):
     import sglang_kvguard
-    from sglang_kvguard import guard_cost
+    from sglang_kvguard.observe import guard_cost
     from sglang_kvguard.engine.runtime import installed_report
 
     sglang_kvguard.uninstall()  # the pytest plugin's import may have installed it with the default config
@@ -41,7 +41,7 @@ def _cycle(sgl, n=200):
 def test_accounting_charges_the_page_guards_on_a_real_free_and_wraps_busy_calls(sgl, kvguard):
     import sglang.srt.managers.scheduler as scheduler
 
-    from sglang_kvguard import guard_cost
+    from sglang_kvguard.observe import guard_cost
     from sglang_kvguard.engine.patching import guards_on
 
     kvguard(KVGUARD_ACCOUNTING="on")
@@ -59,7 +59,7 @@ def test_accounting_charges_the_page_guards_on_a_real_free_and_wraps_busy_calls(
 def test_accounting_off_times_nothing_and_leaves_run_batch_alone(sgl, kvguard):
     import sglang.srt.managers.scheduler as scheduler
 
-    from sglang_kvguard import guard_cost
+    from sglang_kvguard.observe import guard_cost
     from sglang_kvguard.engine.patching import guards_on
 
     report = kvguard()

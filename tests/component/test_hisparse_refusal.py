@@ -48,7 +48,7 @@ import pytest
 
 os.environ["KVGUARD_AUTO_INSTALL"] = "0"  # this module installs and uninstalls explicitly
 
-from sglang_kvguard import transfer_components as tc  # noqa: E402
+from sglang_kvguard.lifetime import transfer_components as tc  # noqa: E402
 from sglang_kvguard.guards import hybrid_pool_check as hpc  # noqa: E402
 
 pytestmark = [pytest.mark.component, pytest.mark.usefixtures("fake_manager_keeps_kv_args")]

@@ -166,7 +166,7 @@ def test_guarded_pages_are_never_reused_while_the_transfer_reads_them(make_side,
     from sglang.srt.disaggregation.common.utils import FastQueue
 
     from sglang_kvguard.guards import prefill_source_hold as g
-    from sglang_kvguard.page_hold import HOLDS
+    from sglang_kvguard.lifetime.page_hold import HOLDS
 
     report = sglang_kvguard.install()
     try:

@@ -80,7 +80,7 @@ def _row_buffers(buffers):
 
 
 def _groups(side):
-    from sglang_kvguard import transfer_components as tc
+    from sglang_kvguard.lifetime import transfer_components as tc
 
     return tc.page_groups(side.kv_pool, side.prealloc_queue.draft_token_to_kv_pool if side.prealloc_queue
                           else side.bootstrap_queue.draft_token_to_kv_pool)
@@ -156,7 +156,8 @@ def _decode_commit(sgl, make_side, room, side_kw, *, skip=None, fault=None):
 
 
 def _kv_only_digest(side, pages, room):
-    from sglang_kvguard import kernels, transfer_components as tc
+    from sglang_kvguard import kernels
+    from sglang_kvguard.lifetime import transfer_components as tc
 
     _, total = kernels.digest_pages(tc.kv_buffers(side.kv_pool), pages, side.page_size, room)
     return int(total)
@@ -316,7 +317,7 @@ def sgl_fast_queue():
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_dsa_pool_with_draft_is_covered_component_by_component(sgl, make_side, role):
-    from sglang_kvguard import transfer_components as tc
+    from sglang_kvguard.lifetime import transfer_components as tc
     from sglang_kvguard.guards import hybrid_pool_check as hpc
 
     with make_side(role, **_dsa_with_draft(sgl)) as side:
@@ -381,7 +382,7 @@ def test_decode_hold_pins_the_pages_the_indexer_state_is_written_at(sgl, make_si
     guard = {g.name: g for g in report.guards}["decode_destination_hold"]
     if guard.state != "active" or ddh.SEND_METADATA.key not in guard.patches:
         pytest.skip("decode's hold is upstream's on this release (decode_deferred_release, 0.5.21+)")
-    from sglang_kvguard.page_hold import HOLDS, bind_hold
+    from sglang_kvguard.lifetime.page_hold import HOLDS, bind_hold
 
     with make_side("decode", **_dsa(sgl)) as d:
         hold = bind_hold("decode", d.allocator)

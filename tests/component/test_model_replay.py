@@ -558,7 +558,7 @@ class PDPair:
         component tier has none): bind each role's allocator to its page hold, and decode's
         allocator to the generation tags."""
         from sglang_kvguard.guards import page_generation
-        from sglang_kvguard.page_hold import bind_hold
+        from sglang_kvguard.lifetime.page_hold import bind_hold
 
         states = self.guard_states()
         q = float(os.environ.get("KVGUARD_QUARANTINE_AFTER", "300"))
@@ -1238,8 +1238,8 @@ def _trail_hooks(steps, only=None):
 def _replay(sgl, run, steps, guarded: bool, monkeypatch, name: str):
     """Build the pair (kvguard first, then the recorder, then the nodes), yield a Replay."""
     import sglang_kvguard
-    from sglang_kvguard import peer_liveness, transfer_drain
-    from sglang_kvguard.page_hold import HOLDS
+    from sglang_kvguard.lifetime import peer_liveness, transfer_drain
+    from sglang_kvguard.lifetime.page_hold import HOLDS
 
     from sglang_kvguard.guards import prefill_source_hold
 

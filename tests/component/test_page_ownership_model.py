@@ -81,7 +81,7 @@ def _machine(make_side, guarded: bool):
             self.alloc = self.side.allocator
             self.total_pages = len(_free_page_ids(self.alloc))
             self.initial_available = self.alloc.available_size()
-            from sglang_kvguard.page_hold import HOLDS
+            from sglang_kvguard.lifetime.page_hold import HOLDS
 
             HOLDS.clear()  # one fresh hold per example, as per scheduler process
             self.hold = g.bind_allocator(self.alloc, 300.0)
@@ -240,7 +240,7 @@ SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None, dera
 
 def test_page_ownership_model_holds_with_kvguard(make_side):
     import sglang_kvguard
-    from sglang_kvguard.page_hold import HOLDS
+    from sglang_kvguard.lifetime.page_hold import HOLDS
 
     from sglang_kvguard.guards import prefill_source_hold as g
 
@@ -262,7 +262,7 @@ def test_page_ownership_model_holds_with_kvguard(make_side):
 
 
 def test_page_ownership_model_finds_the_hazard_without_kvguard(make_side):
-    from sglang_kvguard.page_hold import HOLDS
+    from sglang_kvguard.lifetime.page_hold import HOLDS
 
     try:
         with pytest.raises(AssertionError, match="transfer reads"):

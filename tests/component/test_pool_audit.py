@@ -35,7 +35,7 @@ import contextlib
 import pytest
 import torch
 
-from sglang_kvguard import transfer_components as tc
+from sglang_kvguard.lifetime import transfer_components as tc
 from sglang_kvguard.guards import hybrid_pool_check as hpc
 
 pytestmark = [pytest.mark.component, pytest.mark.usefixtures("fake_manager_keeps_kv_args")]

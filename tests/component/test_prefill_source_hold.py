@@ -50,7 +50,7 @@ def guarded():
         yield report
     finally:
         sglang_kvguard.uninstall()
-        from sglang_kvguard.page_hold import HOLDS
+        from sglang_kvguard.lifetime.page_hold import HOLDS
 
         HOLDS.clear()
 
@@ -144,7 +144,7 @@ def test_unguarded_metadata_row_in_flight_is_reused_at_once(make_side):
 
 
 def test_guarded_metadata_row_of_a_last_chunk_is_held_until_the_worker_moves_on(make_side, guarded):
-    from sglang_kvguard.page_hold import ROWS
+    from sglang_kvguard.lifetime.page_hold import ROWS
 
     with make_side("prefill", num_tokens=256) as p:
         g, hold, queue = _setup(p)
@@ -282,7 +282,7 @@ def test_queues_wrapped_before_the_allocator_is_bound_pin_once_a_worker_consumes
     before kvguard binds the allocator. A queue whose consumer is not kvguard's wrapped
     worker must never pin (nothing would unpin)."""
     from sglang_kvguard.guards import prefill_source_hold as g
-    from sglang_kvguard.page_hold import HOLDS
+    from sglang_kvguard.lifetime.page_hold import HOLDS
 
     HOLDS.clear()
     manager = type("Manager", (), {})()
@@ -355,7 +355,7 @@ def test_a_failed_allocation_waits_for_a_failed_sends_peer_to_be_confirmed_gone(
     allocation waits long enough for it (here: probes 0.3 s apart, ALLOC_WAIT 0.2 s)."""
     import time
 
-    from sglang_kvguard import peer_liveness, transfer_drain
+    from sglang_kvguard.lifetime import peer_liveness, transfer_drain
 
     monkeypatch.setattr(peer_liveness, "WATCH",
                         peer_liveness.PeerWatch(interval=0.3, confirm=2, probe=lambda peer: peer_liveness.REFUSED))
@@ -397,7 +397,7 @@ def test_admission_never_budgets_the_pages_of_a_failed_send(make_side, guarded, 
     from sglang.srt.mem_cache.common import evict_from_tree_cache
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_kvguard import peer_liveness, transfer_drain
+    from sglang_kvguard.lifetime import peer_liveness, transfer_drain
 
     monkeypatch.setattr(peer_liveness, "WATCH", peer_liveness.PeerWatch(interval=0))  # never confirmed gone
     with make_side("prefill", num_tokens=256) as p:

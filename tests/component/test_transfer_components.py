@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from sglang_kvguard import transfer_components as tc
+from sglang_kvguard.lifetime import transfer_components as tc
 from sglang_kvguard.guards import hybrid_pool_check as hpc
 
 pytestmark = pytest.mark.usefixtures("fake_manager_keeps_kv_args")
@@ -178,7 +178,7 @@ def test_layer_split_dsa_pool_is_refused_by_name_and_never_raises_in_a_guard(mak
     placeholder (registered nowhere). Refused for the canary and the checksum, naming
     the layer split; with the gap accepted, stamping and digesting never index a
     placeholder (they raised IndexError in upstream's send_metadata before)."""
-    from sglang_kvguard import transfer_components as tc2
+    from sglang_kvguard.lifetime import transfer_components as tc2
 
     active = PREFILL_GUARDS if role == "prefill" else DECODE_GUARDS
     with make_side(role, kv_pool=_layer_split_pool(sgl), page_size=64) as side:

@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from sglang_kvguard.config import FLAGS, Config, ConfigError, add_to_parser, split_argv
+from sglang_kvguard.engine.config import FLAGS, Config, ConfigError, add_to_parser, split_argv
 
 
 def test_split_argv_takes_kvguard_flags_out():
@@ -55,7 +55,7 @@ def test_readme_documents_every_flag_and_every_guard():
     added without a row there fails here."""
     from pathlib import Path
 
-    from sglang_kvguard.config import _load_all_flags
+    from sglang_kvguard.engine.config import _load_all_flags
     from sglang_kvguard.guards import GUARDS
 
     _load_all_flags()

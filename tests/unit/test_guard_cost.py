@@ -1,10 +1,10 @@
-"""Guard cost accounting (sglang_kvguard.guard_cost): each wrapper is charged its own
+"""Guard cost accounting (sglang_kvguard.observe.guard_cost): each wrapper is charged its own
 time only, never the upstream call it wraps nor another kvguard wrapper it calls, and
 busy time counts only calls that had work. A fake clock makes every figure exact."""
 
 import pytest
 
-from sglang_kvguard import guard_cost as gc
+from sglang_kvguard.observe import guard_cost as gc
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_a_broken_work_test_never_changes_the_call(clock):
 
 
 def test_accounting_is_off_by_default_and_a_config_flag():
-    from sglang_kvguard.config import Config, ConfigError
+    from sglang_kvguard.engine.config import Config, ConfigError
 
     assert not gc.enabled(Config.from_env({}))
     assert gc.enabled(Config.from_env({"KVGUARD_ACCOUNTING": "on"}))

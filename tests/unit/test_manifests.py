@@ -1,7 +1,7 @@
 from pathlib import Path
 
 from sglang_kvguard.engine import manifest
-from sglang_kvguard.engine.targets import all_targets
+from sglang_kvguard.activation.install import all_targets
 from sglang_kvguard.releases import SUPPORTED_RELEASES
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ real SGLang allocators in tests/component/test_prefill_source_hold.py."""
 
 import threading
 
-from sglang_kvguard.page_hold import PageHold
+from sglang_kvguard.lifetime.page_hold import PageHold
 
 
 def _hold_with_held(pages, q=300.0):
@@ -67,7 +67,7 @@ def test_concurrent_pin_unpin_balances():
 
 
 def test_pages_of_a_failed_send_count_as_unusable_until_freed_or_released():
-    from sglang_kvguard.page_hold import PageHold
+    from sglang_kvguard.lifetime.page_hold import PageHold
 
     class Ids(list):  # the page-id tensor the allocator's free sink gets (tolist, slicing)
         def tolist(self):
@@ -87,7 +87,7 @@ def test_pages_of_a_failed_send_count_as_unusable_until_freed_or_released():
 
 
 def test_row_hold_keeps_a_pinned_row_until_its_last_pin_goes_then_frees_it_once():
-    from sglang_kvguard.page_hold import RowHold
+    from sglang_kvguard.lifetime.page_hold import RowHold
 
     freed = []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from sglang_kvguard.peer_liveness import ALIVE, REFUSED, UNKNOWN, PeerWatch, parse_address, tcp_probe
+from sglang_kvguard.lifetime.peer_liveness import ALIVE, REFUSED, UNKNOWN, PeerWatch, parse_address, tcp_probe
 
 
 def test_addresses():

@@ -35,8 +35,8 @@ def test_only_the_page_guards_can_be_suspended():
     and transfer_coverage, which it suspends on page layouts across ranks it has not
     verified (LAYOUT_GUARDS, session 16), and the guards that rest on Mooncake's transfer
     path, which it suspends on any other backend (MOONCAKE_GUARDS, session 17); nothing else."""
-    from sglang_kvguard import transfer_components as tc
-    from sglang_kvguard.engine.runtime import plan
+    from sglang_kvguard.lifetime import transfer_components as tc
+    from sglang_kvguard.activation.install import plan
     from sglang_kvguard.guards.hybrid_pool_check import LAYOUT_GUARDS, MOONCAKE_GUARDS
 
     _, _, guards = plan()

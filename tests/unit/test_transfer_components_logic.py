@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from sglang_kvguard import transfer_components as tc
+from sglang_kvguard.lifetime import transfer_components as tc
 
 
 class Buf:

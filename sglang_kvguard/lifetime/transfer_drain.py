@@ -200,7 +200,7 @@ def set_identity(manager) -> None:
 class _Sender:
     def __init__(self) -> None:
         self.q: "queue_mod.Queue" = queue_mod.Queue()
-        from .guards.rejection_notice import PushSockets
+        from .push_sockets import PushSockets
 
         self.sockets = PushSockets()
         self.thread = threading.Thread(target=self._run, name="kvguard-drain-acks", daemon=True)

@@ -49,8 +49,8 @@ def sample(scheduler) -> dict:
     out = {}
     alloc = getattr(scheduler, "token_to_kv_pool_allocator", None)
     if alloc is not None:
-        from .guards.prefill_source_hold import real_available
-        from .page_hold import hold_for_allocator
+        from ..guards.prefill_source_hold import real_available
+        from ..lifetime.page_hold import hold_for_allocator
 
         out["kv_free_tokens"] = real_available(alloc)
         hold = hold_for_allocator(alloc)
@@ -60,7 +60,7 @@ def sample(scheduler) -> dict:
             if hold.role == "prefill":
                 out["kv_failed_send_pages"] = len(hold._stuck)
         else:
-            from .guards.decode_deferred_release import deferred_pages
+            from ..guards.decode_deferred_release import deferred_pages
 
             pages = deferred_pages()  # decode, 0.5.21+: failed transfers held until prefill drains
             if pages is not None:

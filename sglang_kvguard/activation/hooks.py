@@ -15,88 +15,26 @@ Three upstream entry points are wrapped (each fingerprinted like a guard target)
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 from typing import Callable, Dict
 
-from .engine.targets import target
+from ..engine.process import ADD_CLI_ARGS, DETOKENIZER_INIT, FROM_CLI_ARGS, SCHEDULER_INIT, pd_role, where
 
 log = logging.getLogger("sglang_kvguard")
 
-ADD_CLI_ARGS = target(
-    "activation.server_args.add_cli_args",
-    "sglang.srt.server_args:ServerArgs.add_cli_args",
-    why="lists the --kvguard-* flags in SGLang's own parser",
-)
-FROM_CLI_ARGS = target(
-    "activation.server_args.from_cli_args",
-    "sglang.srt.server_args:ServerArgs.from_cli_args",
-    why="exports --kvguard-* flags given on SGLang's own command line as KVGUARD_* env",
-)
-SCHEDULER_INIT = target(
-    "activation.scheduler.Scheduler.__init__",
-    "sglang.srt.managers.scheduler:Scheduler.__init__",
-    why="scheduler process start: banner with the PD role",
-)
-DETOKENIZER_INIT = target(
-    "activation.detokenizer.DetokenizerManager.__init__",
-    "sglang.srt.managers.detokenizer_manager:DetokenizerManager.__init__",
-    why="detokenizer process start: banner",
-)
-
-# The process entry functions (run_scheduler_process, ...) are deliberately not
-# wrapped: SGLang passes them to multiprocessing by reference and keeps copies in
-# default arguments and class attributes; the constructors they call are enough.
-
 _banner_done = {"done": False}
-
-
-def spawned_child() -> bool:
-    """True while (or after) this process was started by multiprocessing spawn."""
-    return preparing_spawned_child() or multiprocessing.parent_process() is not None
-
-
-def preparing_spawned_child() -> bool:
-    """True while multiprocessing prepares a spawned child (re-importing its main)."""
-    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
-
-
-def defer_banner() -> bool:
-    """In a spawned child, the banner waits for the scheduler/detokenizer to start."""
-    return spawned_child()
-
-
-def _role(server_args) -> str:
-    mode = getattr(server_args, "disaggregation_mode", None)
-    mode = getattr(mode, "value", mode)
-    return str(mode) if mode is not None else ""
-
-
-def pd_role(scheduler_or_args) -> str:
-    """The PD role of a scheduler (or its server args): "prefill", "decode", "null" or ""."""
-    return _role(scheduler_or_args)
-
-
-def where(process: str = "", role: str = "") -> str:
-    if not process:
-        process = multiprocessing.current_process().name if spawned_child() else "main"
-    role = role or os.environ.get("KVGUARD_ROLE", "")
-    parts = [f"process={process}"]
-    if role:
-        parts.append(f"role={role}")
-    return " ".join(parts)
 
 
 def log_banner(process: str, server_args) -> None:
     if _banner_done["done"]:
         return
-    from .engine.runtime import installed_report
+    from ..engine.runtime import installed_report
 
     report = installed_report()
     if report is None:
         return
     _banner_done["done"] = True
-    log.info(report.banner(where(process, _role(server_args) or "null")))
+    log.info(report.banner(where(process, pd_role(server_args) or "null")))
 
 
 def _constructor(process: str) -> Callable[[Callable], Callable]:
@@ -106,7 +44,7 @@ def _constructor(process: str) -> Callable[[Callable], Callable]:
             log_banner(process, server_args)
             ret = original(self, *args, **kwargs)
             if process == "scheduler":
-                from . import resources
+                from ..observe import resources
 
                 try:
                     resources.start(self)
@@ -122,7 +60,7 @@ def _constructor(process: str) -> Callable[[Callable], Callable]:
 def _add_cli_args(original: Callable) -> Callable:
     def add_cli_args(parser, *args, **kwargs):
         result = original(parser, *args, **kwargs)
-        from .config import add_to_parser
+        from ..engine.config import add_to_parser
 
         add_to_parser(parser)
         return result
@@ -132,8 +70,8 @@ def _add_cli_args(original: Callable) -> Callable:
 
 def _from_cli_args(original: Callable) -> Callable:
     def from_cli_args(cls, args, *rest, **kwargs):
-        from .config import FLAGS
-        from .engine.runtime import reinstall_if_config_changed
+        from ..engine.config import FLAGS
+        from .install import reinstall_if_config_changed
 
         changed = False
         for flag in FLAGS:

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional
 
-from .engine.targets import target
+from ..engine.targets import target
 
 BUSY = "accounting"  # the guard name the busy-time wrappers are applied under
 
@@ -147,7 +147,7 @@ def calibrate(n: int = 20000) -> float:
     try:
         from prometheus_client import Gauge
 
-        from . import metrics as m
+        from ..engine import metrics as m
 
         if "accounting_bias" not in m._metrics:
             kwargs = {"multiprocess_mode": "max"} if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else {}
@@ -265,7 +265,7 @@ def flush() -> None:
     """Move the sums into the Prometheus counters (increments since the last flush)."""
     from prometheus_client import Counter
 
-    from . import metrics as m
+    from ..engine import metrics as m
 
     if "guard_seconds" not in m._metrics:
         m._metrics["guard_seconds"] = Counter(

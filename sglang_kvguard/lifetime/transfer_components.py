@@ -208,7 +208,7 @@ def group_ptrs(groups: Optional[Sequence[PageGroup]], component: str) -> List[in
 
 def stamp_canary(groups: Sequence[PageGroup], pages: Sequence[int], room: int) -> None:
     """Stamp every listed page in every group with its canary (see ``kernels.stamp_canary``)."""
-    from . import kernels
+    from .. import kernels
 
     for g in groups:
         kernels.stamp_canary(g.buffers, pages, g.rows_per_page, room)
@@ -217,7 +217,7 @@ def stamp_canary(groups: Sequence[PageGroup], pages: Sequence[int], room: int) -
 def unwritten(groups: Sequence[PageGroup], pages: Sequence[int], room: int) -> Dict[str, List[int]]:
     """component -> the listed pages that still hold their canary in every word of that
     component (never written since stamping); components with none are left out."""
-    from . import kernels
+    from .. import kernels
 
     out: Dict[str, List[int]] = {}
     for g in groups:
@@ -235,7 +235,7 @@ def digest(groups: Sequence[PageGroup], pages: Sequence[int], room: int) -> int:
     KV group alone it equals ``kernels.digest_pages`` over the KV buffers."""
     import torch
 
-    from . import kernels
+    from .. import kernels
 
     sums = [kernels.page_sums(g.buffers, pages, g.rows_per_page) for g in groups]
     if not sums:  # nothing this rank holds at those page ids (see kv_layer_split): nothing to bind
@@ -509,7 +509,7 @@ def record_metrics(role: str, comps: Sequence[Component], active: Optional[set])
         from prometheus_client import Gauge
         import os
 
-        from . import metrics as m
+        from ..engine import metrics as m
 
         if "coverage" not in m._metrics:
             kwargs = {"multiprocess_mode": "max"} if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else {}

@@ -83,9 +83,15 @@ FLAGS: List[Flag] = [
 ]
 
 
+# Callables that import the modules declaring flags (the guards register their own
+# flags when their modules are imported). The engine knows no guard: the package's
+# ``__init__`` adds the loader of the guard registry here.
+FLAG_SOURCES: List[Callable[[], None]] = []
+
+
 def _load_all_flags() -> None:
-    """Guards register their own flags when their modules are imported."""
-    from . import guards  # noqa: F401
+    for load in FLAG_SOURCES:
+        load()
 
 
 def register_flag(flag: Flag) -> None:

@@ -291,7 +291,7 @@ def bind_at_scheduler_init(role: str, quarantine_after: float, what: str):
     def factory(original):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            from .activation import pd_role
+            from ..engine.process import pd_role
 
             if pd_role(self) != role:
                 return

@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine.runtime import Report
+    from .runtime import Report
 
 _metrics = {}
 
@@ -28,7 +28,7 @@ def _gauge():
 
 
 def record_guard_states(report: "Report") -> None:
-    from .engine.guard import STATES
+    from .guard import STATES
 
     try:
         g = _gauge()
@@ -41,7 +41,7 @@ def record_guard_states(report: "Report") -> None:
 
 def set_guard_state(guard: str, state: str) -> None:
     """Move one guard's state gauge (e.g. to ``off`` when it is suspended in this process)."""
-    from .engine.guard import STATES
+    from .guard import STATES
 
     try:
         g = _gauge()

@@ -1,0 +1,76 @@
+"""The package's layers point only down (docs/architecture.md): the import-linter
+contract in pyproject.toml, function-level imports included, run here so that an
+upward import or a new cycle across layers fails the unit tier."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PKG = REPO / "sglang_kvguard"
+
+
+def _lint_imports() -> str:
+    exe = Path(sys.executable).with_name("lint-imports")
+    if not exe.exists():
+        found = shutil.which("lint-imports")
+        if found is None:
+            pytest.fail("import-linter is not installed (pip install -e '.[test]' installs it)")
+        exe = Path(found)
+    return str(exe)
+
+
+def _run(cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, KVGUARD_AUTO_INSTALL="0", PYTHONPATH=str(cwd))
+    return subprocess.run([_lint_imports(), "--config", str(cwd / "pyproject.toml"), "--no-cache"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_layers_contract_is_kept_with_no_exceptions():
+    text = (REPO / "pyproject.toml").read_text()
+    assert "ignore_imports" not in text, "the layers contract lists exceptions"
+    cp = _run(REPO)
+    assert cp.returncode == 0 and "0 broken" in cp.stdout, cp.stdout[-4000:] + cp.stderr[-2000:]
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path):
+    """The check can fail: a copy of the package where the engine imports a guard."""
+    shutil.copytree(PKG, tmp_path / "sglang_kvguard", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    victim = tmp_path / "sglang_kvguard" / "engine" / "manifest.py"
+    victim.write_text(victim.read_text() + "\n\ndef _upward():\n    from ..guards import admission_drain  # noqa: F401\n")
+    cp = _run(tmp_path)
+    assert cp.returncode != 0 and "1 broken" in cp.stdout, cp.stdout[-4000:]
+    assert "sglang_kvguard.engine.manifest -> sglang_kvguard.guards.admission_drain" in cp.stdout, cp.stdout[-4000:]
+
+
+def _submodule(name: str) -> bool:
+    return (PKG / f"{name}.py").is_file() or (PKG / name / "__init__.py").is_file()
+
+
+def test_no_module_imports_the_package_root_back():
+    """``sglang_kvguard/__init__.py`` re-exports and auto-installs; nothing in the package
+    imports a name from it (``__version__`` lives in ``engine/version.py``); importing a
+    subpackage through it (``from .. import guards``) is importing that subpackage."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path == PKG / "__init__.py":
+            continue
+        rel = path.relative_to(REPO)
+        pkg_depth = len(rel.parts) - 1  # package levels from the root to this file's package
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                to_root = (node.level == 0 and node.module == "sglang_kvguard") or (
+                    node.level == pkg_depth and not node.module)
+                if to_root:
+                    offenders += [f"{rel}:{node.lineno} {a.name}" for a in node.names if not _submodule(a.name)]
+            elif isinstance(node, ast.Import) and any(a.name == "sglang_kvguard" for a in node.names):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, offenders
