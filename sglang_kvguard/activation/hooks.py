@@ -23,6 +23,9 @@ from ..engine.process import ADD_CLI_ARGS, DETOKENIZER_INIT, FROM_CLI_ARGS, SCHE
 log = logging.getLogger("sglang_kvguard")
 
 _banner_done = {"done": False}
+# Called when SGLang's own command line changed a --kvguard-* flag (set by install.py,
+# which installs these hooks; the hooks do not import it back).
+ON_CONFIG_CHANGE: list = []
 
 
 def log_banner(process: str, server_args) -> None:
@@ -71,7 +74,6 @@ def _add_cli_args(original: Callable) -> Callable:
 def _from_cli_args(original: Callable) -> Callable:
     def from_cli_args(cls, args, *rest, **kwargs):
         from ..engine.config import FLAGS
-        from .install import reinstall_if_config_changed
 
         changed = False
         for flag in FLAGS:
@@ -79,8 +81,8 @@ def _from_cli_args(original: Callable) -> Callable:
             if value is not None and os.environ.get(flag.env, flag.default) != str(value):
                 os.environ[flag.env] = str(value)  # inherited by every spawned process
                 changed = True
-        if changed:
-            reinstall_if_config_changed()
+        if changed and ON_CONFIG_CHANGE:
+            ON_CONFIG_CHANGE[0]()  # install.reinstall_if_config_changed
         return original(cls, args, *rest, **kwargs)
 
     return from_cli_args

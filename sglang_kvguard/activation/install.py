@@ -181,3 +181,11 @@ def reinstall_if_config_changed() -> Optional[Report]:
         return install(new)
 
 
+def _register_config_change_hook() -> None:
+    from . import hooks
+
+    if reinstall_if_config_changed not in hooks.ON_CONFIG_CHANGE:
+        hooks.ON_CONFIG_CHANGE.append(reinstall_if_config_changed)
+
+
+_register_config_change_hook()

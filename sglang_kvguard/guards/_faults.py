@@ -48,7 +48,7 @@ def maybe_inject(decode_req, queue=None) -> None:
         return
     import torch
 
-    from .destination_canary import kv_buffers
+    from ..lifetime.transfer_components import kv_buffers
 
     pages, pool = (stamped[0], stamped[1]) if stamped is not None else (canary[0], canary[2])
     bufs = kv_buffers(pool)

@@ -85,7 +85,7 @@ def refuse(decode_req, receiver, reason: str, guard: str) -> bool:
     log an ERROR once per prefill bootstrap address; the value to return from
     ``_commit_transfer_to_req``."""
     from ..engine import metrics
-    from .transfer_coverage import _fail
+    from ._fail_closed import fail_request as _fail
 
     text = message(reason, guard)
     addr = getattr(receiver, "bootstrap_addr", None)

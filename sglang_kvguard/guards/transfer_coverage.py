@@ -34,13 +34,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from http import HTTPStatus
 from typing import Callable, Dict, Optional, Tuple
 
 from ..engine.config import Flag, register_flag
 from ..engine.guard import ACTIVE, Decision, Guard
 from ..engine.targets import target
 from . import _faults
+from ._fail_closed import fail_request as _fail
 from ._row import read_cols, row_view
 
 log = logging.getLogger("sglang_kvguard")
@@ -223,17 +223,6 @@ def _commit(unverified_policy: str) -> Callable[[Callable], Callable]:
         return _commit_transfer_to_req
 
     return factory
-
-
-def _fail(decode_req, message: str) -> None:
-    """Upstream's own metadata-corruption path: abort 500, drop the receiver."""
-    from sglang.srt.disaggregation import decode as decode_mod
-
-    decode_mod.prepare_abort(decode_req.req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
-    receiver = decode_req.kv_receiver
-    if receiver is not None:
-        receiver.clear()
-    decode_req.kv_receiver = None
 
 
 class TransferCoverageGuard(Guard):

@@ -190,14 +190,12 @@ class Soak:
 
     # -- set-up
     def discover(self) -> None:
-        from .probe import Client, ProbeConfig, discover
+        from .discovery import Client, DiscoveryConfig, ProbeError, discover
 
-        pc = ProbeConfig(url=self.url, limit=self.cfg.limit, max_tokens=self.cfg.max_new_tokens,
-                         nodes=tuple(self.cfg.nodes), timeout=30)
-        from .probe import ProbeError
-
+        dc = DiscoveryConfig(url=self.url, limit=self.cfg.limit, max_tokens=self.cfg.max_new_tokens,
+                             nodes=tuple(self.cfg.nodes))
         try:
-            disc = discover(Client(self.url, 30), pc)
+            disc = discover(Client(self.url, 30), dc)
         except ProbeError as exc:
             raise SoakError(str(exc)) from exc
         self.nodes = [(n.url, n.role or "?") for n in disc.nodes if n.url != self.url]

@@ -74,3 +74,78 @@ def test_no_module_imports_the_package_root_back():
             elif isinstance(node, ast.Import) and any(a.name == "sglang_kvguard" for a in node.names):
                 offenders.append(f"{rel}:{node.lineno}")
     assert not offenders, offenders
+
+
+def _import_graph() -> dict:
+    """module -> modules of the package it imports (any import statement, function-level
+    included; imports under ``if TYPE_CHECKING:`` are annotations only and left out)."""
+    mods = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(REPO).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        mods[name] = path
+    graph = {m: set() for m in mods}
+
+    def resolve(cur: str, node) -> list:
+        is_pkg = mods[cur].name == "__init__.py"
+        if isinstance(node, ast.Import):
+            cands = [a.name for a in node.names]
+        else:
+            if node.level:
+                base = cur if is_pkg else cur.rsplit(".", 1)[0]
+                for _ in range(node.level - 1):
+                    base = base.rsplit(".", 1)[0]
+                base = base + ("." + node.module if node.module else "")
+            else:
+                base = node.module or ""
+            cands = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+        out = []
+        for c in cands:
+            while c and c not in mods and "." in c:
+                c = c.rsplit(".", 1)[0]
+            if c in mods and c != cur:
+                out.append(c)
+        return out
+
+    for cur, path in mods.items():
+        tree = ast.parse(path.read_text())
+        skip = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                skip.update(id(n) for b in node.body for n in ast.walk(b))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skip:
+                graph[cur].update(resolve(cur, node))
+    return graph
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    graph = _import_graph()
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
