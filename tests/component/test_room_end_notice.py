@@ -176,9 +176,13 @@ def test_the_notice_counts_and_is_sent_once(sgl, kvguard, decode_endpoint):
 
 def _decode_manager():
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
 
     kv = MooncakeKVManager.__new__(MooncakeKVManager)
-    kv.__dict__.update(request_status={}, failure_records={}, failure_lock=threading.Lock())
+    # what a decode manager's constructor sets and update_status reads (0.5.11 reads the
+    # mode for every status)
+    kv.__dict__.update(request_status={}, failure_records={}, failure_lock=threading.Lock(),
+                       disaggregation_mode=DisaggregationMode.DECODE)
     return kv
 
 
