@@ -123,3 +123,36 @@ def test_launcher_rejects_unknown_kvguard_flag():
     out = run_py(["-m", "sglang_kvguard.launch_server", "--kvguard-bogus", "1"])
     assert out.returncode == 2
     assert "unknown kvguard flag '--kvguard-bogus'" in out.stderr
+
+
+def test_a_kvguard_flag_on_sglangs_own_command_line_reinstalls_with_it():
+    """``--kvguard-*`` given to SGLang's own parser (the plugin path): the wrapped
+    ``ServerArgs.from_cli_args`` exports it as ``KVGUARD_*`` for every spawned process and
+    re-plans this one (the activation hook calls back into install)."""
+    code = textwrap.dedent(
+        """
+        import argparse, os
+        os.environ["KVGUARD_AUTO_INSTALL"] = "0"
+        os.environ.pop("KVGUARD_DISABLE", None)
+        import sglang_kvguard
+        from sglang_kvguard.engine.runtime import installed_report
+        states = lambda r: {g.name: g.state for g in r.guards}
+        before = sglang_kvguard.install()
+        print("before", states(before)["transfer_coverage"])
+        from sglang.srt.server_args import ServerArgs
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        args = parser.parse_args(["--model-path", "/nonexistent", "--kvguard-disable", "transfer_coverage"])
+        try:
+            ServerArgs.from_cli_args(args)
+        except Exception as exc:  # the model path does not exist; the flags were read first
+            pass
+        after = installed_report()
+        print("env", os.environ.get("KVGUARD_DISABLE"))
+        print("after", states(after)["transfer_coverage"], after is not before)
+        """
+    )
+    out = run_py(["-c", code])
+    assert "before active" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "env transfer_coverage" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "after off True" in out.stdout, out.stdout + out.stderr[-3000:]
