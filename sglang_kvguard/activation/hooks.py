@@ -81,8 +81,9 @@ def _from_cli_args(original: Callable) -> Callable:
             if value is not None and os.environ.get(flag.env, flag.default) != str(value):
                 os.environ[flag.env] = str(value)  # inherited by every spawned process
                 changed = True
-        if changed and ON_CONFIG_CHANGE:
-            ON_CONFIG_CHANGE[0]()  # install.reinstall_if_config_changed
+        if changed:
+            for callback in ON_CONFIG_CHANGE:  # install.reinstall_if_config_changed
+                callback()
         return original(cls, args, *rest, **kwargs)
 
     return from_cli_args

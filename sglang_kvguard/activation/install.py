@@ -22,6 +22,7 @@ from ..engine.runtime import (LOCK, STATE, Context, GuardReport, KVGuardRefused,
 from ..engine.targets import Target
 from ..engine.version import __version__
 from ..observe import guard_cost
+from . import hooks
 
 log = logging.getLogger("sglang_kvguard")
 
@@ -35,18 +36,11 @@ def all_guards() -> List[Guard]:
     return [cls() for cls in GUARDS]
 
 
-def _activation_targets() -> Dict[str, object]:
-    from . import hooks
-
-    return hooks.TARGETS
-
-
 def all_targets() -> Dict[str, Target]:
     """Every target any guard, the activation hooks or the accounting may wrap (for the
     manifests, ``scripts/gen_manifests.py``)."""
     from .. import guards  # noqa: F401 - the guards declare their targets at import
     from ..engine.targets import registered
-    from . import hooks  # noqa: F401
 
     return registered()
 
@@ -84,7 +78,7 @@ def plan(config: Optional[Config] = None, release: Optional[str] = None) -> Tupl
         reports.append(GuardReport(g.name, g.protects, d.state, d.reason, d.patches))
     activation: Dict[str, str] = {}
     if ctx.manifest is not None:
-        for key in _activation_targets():
+        for key in hooks.TARGETS:
             try:
                 ctx.require(key)
                 activation[key] = ACTIVE
@@ -132,8 +126,6 @@ def install(config: Optional[Config] = None, *, banner: bool = True) -> Report:
             guard.on_installed(ctx)
         if accounting:
             _hook_busy_time(patcher, generation, ctx)
-        from . import hooks
-
         for key, factory in hooks.TARGETS.items():
             if report.activation.get(key) == ACTIVE:
                 hook(patcher, generation, ctx, key, "activation", factory)
@@ -181,11 +173,6 @@ def reinstall_if_config_changed() -> Optional[Report]:
         return install(new)
 
 
-def _register_config_change_hook() -> None:
-    from . import hooks
-
-    if reinstall_if_config_changed not in hooks.ON_CONFIG_CHANGE:
-        hooks.ON_CONFIG_CHANGE.append(reinstall_if_config_changed)
-
-
-_register_config_change_hook()
+# the hooks call this back when SGLang's own command line changes a --kvguard-* flag
+if reinstall_if_config_changed not in hooks.ON_CONFIG_CHANGE:
+    hooks.ON_CONFIG_CHANGE.append(reinstall_if_config_changed)

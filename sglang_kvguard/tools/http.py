@@ -96,13 +96,11 @@ class HttpClient:
                 r = self.client.request(method, url, content=content, headers=self.headers(content is not None),
                                         timeout=limit)
                 break
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never sent: safe to retry
-                if attempt < retries:
+            except (httpx.HTTPError, httpx.InvalidURL, ValueError, OSError) as exc:
+                never_sent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))  # safe to retry
+                if never_sent and attempt < retries:
                     time.sleep(retry_delay * (attempt + 1))
                     continue
-                return Reply(0, time.monotonic() - t0, error=describe(exc, limit),
-                             timed_out=isinstance(exc, httpx.TimeoutException))
-            except (httpx.HTTPError, httpx.InvalidURL, ValueError, OSError) as exc:
                 return Reply(0, time.monotonic() - t0, error=describe(exc, limit),
                              timed_out=isinstance(exc, httpx.TimeoutException))
         text = r.text

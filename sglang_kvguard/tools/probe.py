@@ -51,7 +51,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .discovery import Client, Discovery, NodeInfo, ProbeError, _int, _strict_total, discover, read_node  # noqa: F401 (re-exported)
+from .discovery import Client, Discovery, ProbeError, _int, discover
 from .http import Reply
 
 __all__ = [

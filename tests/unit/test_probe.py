@@ -368,7 +368,7 @@ def test_plugin_reports_an_unreachable_endpoint_as_failures(pytester):
 
 
 def test_total_length_rule_by_release():
-    from sglang_kvguard.tools.probe import _strict_total
+    from sglang_kvguard.tools.discovery import _strict_total
 
     assert _strict_total("0.5.10") and _strict_total("0.5.10.post1")
     assert not _strict_total("0.5.11") and not _strict_total("0.5.23")
